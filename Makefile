@@ -1,0 +1,50 @@
+# ugro — every target is a thin call into the Python controller (train/cli.py) or a test runner.
+# Knobs live in the job file (JOB) and the inventory's group_vars (INVENTORY), never here.
+
+PYTHON    ?= python3
+VENV      := .venv
+PY        := $(VENV)/bin/python
+JOB       ?= jobs/default.yaml
+INVENTORY ?= inventory/local.yml
+RESUME    ?= none
+PYTEST_ARGS ?=
+
+.PHONY: train validate test lint venv lock clean help
+
+help:
+	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
+	@echo "make test            the whole test suite (pytest + ansible-lint)"
+	@echo "make validate        check a job file without starting anything"
+	@echo "make lint            ansible-lint (production profile) and ruff"
+	@echo "make lock            regenerate requirements.lock from requirements.in"
+
+# The virtual environment is built once from the lock file; a changed lock file rebuilds it.
+$(VENV)/.installed: requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet -r requirements.lock
+	touch $@
+
+venv: $(VENV)/.installed
+
+train: venv
+	$(PY) -m train.cli train --job $(JOB) --inventory $(INVENTORY) --resume $(RESUME)
+
+validate: venv
+	$(PY) -m train.cli validate --job $(JOB)
+
+lint: venv
+	$(VENV)/bin/ansible-lint --profile production
+	$(VENV)/bin/ruff check train tests models
+
+test: venv lint
+	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+lock:
+	$(PYTHON) -m venv /tmp/ugro-lock-venv
+	/tmp/ugro-lock-venv/bin/pip install --quiet -r requirements.in
+	{ sed -n '1,2p' requirements.lock; /tmp/ugro-lock-venv/bin/pip freeze | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > requirements.lock.new
+	mv requirements.lock.new requirements.lock
+	rm -rf /tmp/ugro-lock-venv
+
+clean:
+	rm -rf runs .pytest_cache

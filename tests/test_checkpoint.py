@@ -1,0 +1,84 @@
+"""Checkpoints: atomic, verified, keep-last-K, and a torn one is never loaded."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, small_job
+
+from train import checkpoint
+from train.config import JobConfig
+from train.model import load_model
+from train.schedule import warmup_cosine
+
+
+@pytest.fixture()
+def parts() -> tuple[object, torch.optim.Optimizer, object]:
+    job = JobConfig.model_validate(small_job())
+    model, _, _ = load_model(job, REPO, torch.device("cpu"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    return model, opt, warmup_cosine(opt, 2, 20, 0.1)
+
+
+def _train_a_bit(model: object, opt: torch.optim.Optimizer, sched: object) -> None:
+    ids = torch.randint(0, 100, (2, 16))
+    loss = model(input_ids=ids).logits.float().pow(2).mean()  # type: ignore[operator]
+    loss.backward()
+    opt.step()
+    sched.step()  # type: ignore[attr-defined]
+    opt.zero_grad()
+
+
+def test_save_keeps_last_k_and_roundtrips(tmp_path: Path, parts: tuple) -> None:
+    model, opt, sched = parts
+    for step in (2, 4, 6):
+        _train_a_bit(model, opt, sched)
+        checkpoint.save(tmp_path, step, model, opt, sched, keep_last=2, is_main=True, extra={})
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000004", "step-000006"]
+    final = tmp_path / "checkpoints" / "step-000006"
+    assert (final / "adapter" / "adapter_config.json").is_file()
+    assert (final / "adapter" / "adapter_model.safetensors").is_file()
+    saved = checkpoint.trainable_state(model)
+
+    _train_a_bit(model, opt, sched)  # move away, then restore
+    restored = checkpoint.restore(tmp_path, model, opt, sched, rank=0)
+    assert restored is not None and restored.step == 6
+    for name, value in checkpoint.trainable_state(model).items():
+        assert torch.equal(value, saved[name]), name
+    assert sched.last_epoch == 3  # type: ignore[attr-defined]
+
+
+def test_torn_checkpoints_are_never_loaded(tmp_path: Path, parts: tuple) -> None:
+    model, opt, sched = parts
+    _train_a_bit(model, opt, sched)
+    checkpoint.save(tmp_path, 5, model, opt, sched, keep_last=10, is_main=True, extra={})
+    good = tmp_path / "checkpoints" / "step-000005"
+    root = good.parent
+
+    # 1. killed before the rename: only a temporary directory is left
+    partial = root / ".tmp-step-000009-4242"
+    shutil.copytree(good, partial)
+    (partial / "manifest.json").unlink()
+    # 2. killed after the rename but the data never reached the disk: a truncated file
+    truncated = root / "step-000008"
+    shutil.copytree(good, truncated)
+    state = truncated / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    # 3. a directory without its manifest
+    unfinished = root / "step-000007"
+    shutil.copytree(good, unfinished)
+    (unfinished / "manifest.json").unlink()
+
+    assert checkpoint.verify(truncated) == "state.pt does not match its checksum"
+    assert checkpoint.verify(unfinished) == "no manifest (the write never finished)"
+    assert checkpoint.latest_valid(tmp_path) == good
+    restored = checkpoint.restore(tmp_path, model, opt, sched, rank=0)
+    assert restored is not None and restored.step == 5
+
+
+def test_no_checkpoint_means_fresh_start(tmp_path: Path, parts: tuple) -> None:
+    model, opt, sched = parts
+    assert checkpoint.restore(tmp_path, model, opt, sched, rank=0) is None

@@ -1,0 +1,103 @@
+"""Job files and memory profiles: bad input gets one error naming the file and the key."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import PYTHON, REPO, small_job
+
+from train.config import ConfigError, apply_profile, load_job, load_profile
+
+
+def _write(path: Path, data: object) -> Path:
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+def test_default_job_is_valid() -> None:
+    job = load_job(REPO / "jobs" / "default.yaml")
+    assert job.model.init == "random"
+    assert len(job.cluster_hash()) == 64
+
+
+def test_unknown_key_names_file_and_dotted_key(tmp_path: Path) -> None:
+    data = small_job()
+    data["lora"] = {"rank": 8}
+    path = _write(tmp_path / "typo.yaml", data)
+    with pytest.raises(ConfigError) as err:
+        load_job(path)
+    assert str(path) in str(err.value)
+    assert "unknown key 'lora.rank'" in str(err.value)
+
+
+def test_bad_value_names_key_and_value(tmp_path: Path) -> None:
+    path = _write(tmp_path / "bad.yaml", small_job(lora={"r": -4}))
+    with pytest.raises(ConfigError, match=r"key 'lora.r'.*greater than 0.*-4"):
+        load_job(path)
+
+
+def test_bad_choice_lists_choices(tmp_path: Path) -> None:
+    path = _write(tmp_path / "bad.yaml", small_job(model={"quantization": "8bit"}))
+    with pytest.raises(ConfigError, match=r"model.quantization.*'none' or '4bit'"):
+        load_job(path)
+
+
+def test_missing_section_is_named(tmp_path: Path) -> None:
+    data = small_job()
+    del data["data"]
+    with pytest.raises(ConfigError, match="missing required key 'data'"):
+        load_job(_write(tmp_path / "nodata.yaml", data))
+
+
+def test_yaml_syntax_error_gives_line(tmp_path: Path) -> None:
+    path = _write(tmp_path / "broken.yaml", "name: x\nmodel: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml \(line \d+, column \d+\): not valid YAML"):
+        load_job(path)
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nope.yaml: file not found"):
+        load_job(tmp_path / "nope.yaml")
+
+
+def test_warmup_longer_than_run_is_rejected(tmp_path: Path) -> None:
+    path = _write(tmp_path / "w.yaml", small_job(schedule={"warmup_steps": 50}, train={"max_steps": 10}))
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        load_job(path)
+
+
+def test_profile_may_not_set_cluster_wide_keys(tmp_path: Path) -> None:
+    path = _write(tmp_path / "profile.yaml", {"micro_batch_size": 2, "data": {"seq_len": 64}})
+    with pytest.raises(ConfigError) as err:
+        load_profile(path, host="node3070")
+    message = str(err.value)
+    assert "node3070" in message and "'data'" in message and "cluster-wide" in message
+
+
+def test_profile_overrides_only_rank_local_keys(tmp_path: Path) -> None:
+    job = load_job(_write(tmp_path / "job.yaml", small_job()))
+    profile = load_profile(_write(tmp_path / "p.yaml", {"micro_batch_size": 1, "gradient_checkpointing": True}), "h")
+    merged = apply_profile(job, profile)
+    assert merged.rank_local.micro_batch_size == 1
+    assert merged.rank_local.gradient_checkpointing is True
+    assert merged.cluster_hash() == job.cluster_hash()  # the profile never changes what the cluster trains
+
+
+def test_profile_bad_value_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        load_profile(_write(tmp_path / "p.yaml", {"micro_batch_size": 0}), "h")
+
+
+def test_cli_reports_one_error_without_traceback(tmp_path: Path) -> None:
+    data = small_job()
+    data["optim"]["learning_rate"] = 1e-3
+    path = _write(tmp_path / "job.yaml", data)
+    result = subprocess.run(
+        [PYTHON, "-m", "train.cli", "validate", "--job", str(path)], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "optim.learning_rate" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout

@@ -1,0 +1,88 @@
+"""The token-weighted distributed step equals the single-process step on the union batch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import REPO, free_port, small_job
+
+from train import distributed
+from train.config import JobConfig
+from train.model import load_model
+from train.step import backward, label_tokens, summed_loss
+
+JOB = small_job(lora={"dropout": 0.0}, data={"seq_len": 24, "packing": False})
+
+
+def _batches() -> list[list[dict[str, torch.Tensor]]]:
+    """Rank 0: three sequences in micro-batches of 2 + 1; rank 1: one sequence. Label counts differ too."""
+    gen = torch.Generator().manual_seed(0)
+
+    def batch(n: int, lengths: list[int]) -> dict[str, torch.Tensor]:
+        ids = torch.randint(4, 400, (n, 24), generator=gen)
+        mask = torch.zeros(n, 24, dtype=torch.long)
+        labels = torch.full((n, 24), -100)
+        for row, length in enumerate(lengths):
+            mask[row, :length] = 1
+            labels[row, 3:length] = ids[row, 3:length]
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+    return [[batch(2, [24, 10]), batch(1, [17])], [batch(1, [6])]]
+
+
+def _model() -> torch.nn.Module:
+    model, _, _ = load_model(JobConfig.model_validate(JOB), REPO, torch.device("cpu"))
+    return model
+
+
+def _step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1.0)  # SGD: the update is the gradient itself, nothing hides an error
+    backward(model, micro_batches, torch.device("cpu"))
+    opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0")
+    torch.set_num_threads(1)
+    info = distributed.init(timeout_s=120)
+    model = _model()
+    after = _step(distributed.wrap(model, info), _batches()[rank])
+    if rank == 0:
+        torch.save(after, out)
+    dist.destroy_process_group()
+
+
+def _max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start: dict) -> float:
+    worst = 0.0
+    for name in a:
+        delta_a, delta_b = a[name] - start[name], b[name] - start[name]
+        scale = delta_b.abs().max().item()
+        if scale > 0:
+            worst = max(worst, (delta_a - delta_b).abs().max().item() / scale)
+    return worst
+
+
+def test_two_ranks_with_unequal_micro_batches_equal_union_step(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    start = {n: p.detach().clone() for n, p in _model().named_parameters() if p.requires_grad}
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_rank, args=(free_port(), str(out)), nprocs=2, join=True)
+    distributed_after = torch.load(out)
+
+    union = [mb for rank in _batches() for mb in rank]
+    single_after = _step(_model(), union)
+    assert _max_relative_difference(distributed_after, single_after, start) <= 1e-5
+
+    # The check has teeth: averaging each micro-batch's mean loss (what naive accumulation does) differs.
+    naive = _model()
+    for mb in union:
+        (summed_loss(naive, mb) / label_tokens(mb) / len(union)).backward()
+    torch.optim.SGD([p for p in naive.parameters() if p.requires_grad], lr=1.0).step()
+    naive_after = {n: p.detach() for n, p in naive.named_parameters() if p.requires_grad}
+    assert _max_relative_difference(naive_after, single_after, start) > 1e-3

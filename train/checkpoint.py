@@ -1,0 +1,184 @@
+"""Atomic, verified checkpoints written by rank 0 and restored to every rank without shared storage.
+
+Layout of ``<run>/checkpoints/step-000120/``:
+
+* ``adapter/`` — the LoRA adapter in peft ``save_pretrained`` form (usable on its own);
+* ``state.pt`` — trainable weights, optimizer, scheduler, step, every rank's RNG states;
+* ``manifest.json`` — sha256 of every file above, written last.
+
+A checkpoint is written into a temporary directory, fsynced, renamed into place, then re-read
+and checked against its manifest. A directory whose manifest is missing or does not match its
+files (a kill or a full disk mid-write) is never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+PREFIX = "step-"
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Restored:
+    step: int
+    path: Path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in [*sorted(root.rglob("*"), reverse=True), root]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def verify(path: Path) -> str | None:
+    """None when the checkpoint is intact, else why it must not be loaded."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        return "no manifest (the write never finished)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files: dict[str, str] = manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        return "unreadable manifest"
+    for rel, expected in files.items():
+        file = path / rel
+        if not file.is_file():
+            return f"{rel} is missing"
+        if _sha256(file) != expected:
+            return f"{rel} does not match its checksum"
+    return None
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def latest_valid(run_dir: Path) -> Path | None:
+    for path in reversed(list_checkpoints(run_dir)):
+        problem = verify(path)
+        if problem is None:
+            return path
+        log.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def save(
+    run_dir: Path,
+    step: int,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    keep_last: int,
+    is_main: bool,
+    extra: dict[str, Any],
+) -> Path | None:
+    """Collective: every rank contributes its RNG state; rank 0 writes. Returns the path on rank 0."""
+    rngs: list[Any] = [rng_state()]
+    if dist.is_initialized():
+        rngs = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng_state())
+    if not is_main:
+        return None
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:06d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    model.save_pretrained(str(tmp / "adapter"))
+    state = {
+        "step": step,
+        "trainable": trainable_state(model),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": rngs,
+        **extra,
+    }
+    torch.save(state, tmp / "state.pt")
+    files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_tree(root)
+    problem = verify(final)
+    if problem is not None:
+        raise OSError(f"checkpoint {final} failed verification right after writing: {problem}")
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def restore(run_dir: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int) -> Restored | None:
+    """Collective: rank 0 loads the newest intact checkpoint and broadcasts it to every rank."""
+    payload: list[Any] = [None]
+    if rank == 0:
+        path = latest_valid(run_dir)
+        if path is not None:
+            state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+            payload = [(str(path), state)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(payload, src=0)
+    if payload[0] is None:
+        return None
+    path_str, state = payload[0]
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state["trainable"].items():
+            params[name].copy_(value.to(params[name].device))
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    rngs = state["rng"]
+    if len(rngs) == (dist.get_world_size() if dist.is_initialized() else 1):
+        set_rng_state(rngs[rank])
+    else:
+        torch.manual_seed(hash((state["step"], rank)) & 0xFFFFFFFF)
+    return Restored(step=int(state["step"]), path=Path(path_str))

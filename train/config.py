@@ -1,0 +1,204 @@
+"""Typed job configuration: cluster-wide keys, rank-local keys, and how they are loaded.
+
+A job file holds every knob of a run. Its keys come in two kinds:
+
+* cluster-wide keys (model, LoRA, data recipe, optimizer, schedule, batch, seed, ...) must be
+  identical on every rank, or DDP trains different models on different hosts;
+* rank-local keys (the ``rank_local`` section) only change how one rank computes its share:
+  micro-batch size, gradient checkpointing, data-loader workers. A host's memory profile
+  (``/etc/ugro/profile.yaml``) may override these, and only these.
+
+Every error names the file and the dotted key, and says what is accepted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(Exception):
+    """A job file or profile that cannot be used; the message names the file and key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    source: str = Field(description="Hub name or local directory of the base model (or of its config).")
+    init: Literal["pretrained", "random"] = Field(
+        "pretrained", description="'random' builds the model from its config.json with seeded random weights."
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer directory or hub name; defaults to source.")
+    backend: Literal["auto", "unsloth", "hf"] = "auto"
+    quantization: Literal["none", "4bit"] = "none"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class LoraConfig(_Strict):
+    r: int = Field(16, gt=0)
+    alpha: int = Field(32, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+    )
+
+
+class DataConfig(_Strict):
+    source: str = Field(description="Local .jsonl/.json/.txt file or directory, or a datasets hub name.")
+    format: Literal["instruction", "chat", "text"] = "instruction"
+    split: str = "train"
+    seq_len: int = Field(256, ge=8)
+    packing: bool = True
+    train_on: Literal["completion", "all"] = "completion"
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class ScheduleConfig(_Strict):
+    warmup_steps: int = Field(10, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class RunConfig(_Strict):
+    max_steps: int = Field(100, gt=0)
+    global_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step, summed over all ranks.")
+    seed: int = 1234
+    log_every: int = Field(5, gt=0)
+
+
+class CheckpointConfig(_Strict):
+    every: int = Field(50, gt=0, description="Optimizer steps between checkpoints; the last step always saves.")
+    keep_last: int = Field(3, gt=0)
+
+
+class DistributedConfig(_Strict):
+    timeout_s: int = Field(600, gt=0, description="Process-group timeout: a collective waiting longer fails.")
+
+
+class RankLocalConfig(_Strict):
+    """The only knobs a host's memory profile may change."""
+
+    micro_batch_size: int = Field(4, gt=0)
+    gradient_checkpointing: bool = False
+    dataloader_workers: int = Field(0, ge=0)
+
+
+CLUSTER_WIDE_SECTIONS = ("model", "lora", "data", "optim", "schedule", "train", "checkpoint", "distributed")
+
+
+class JobConfig(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=64)
+    model: ModelConfig
+    lora: LoraConfig = LoraConfig()
+    data: DataConfig
+    optim: OptimConfig = OptimConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    train: RunConfig = RunConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    rank_local: RankLocalConfig = RankLocalConfig()
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> JobConfig:
+        if self.schedule.warmup_steps >= self.train.max_steps:
+            raise ValueError(
+                f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be smaller than "
+                f"train.max_steps ({self.train.max_steps})"
+            )
+        return self
+
+    def cluster_wide(self) -> dict[str, Any]:
+        """The part of the job that must be identical on every rank."""
+        return {key: getattr(self, key).model_dump(mode="json") for key in CLUSTER_WIDE_SECTIONS} | {"name": self.name}
+
+    def cluster_hash(self) -> str:
+        blob = json.dumps(self.cluster_wide(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}{where}: not valid YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def _describe(error: ValidationError, path: Path, prefix: str = "") -> str:
+    lines = []
+    for err in error.errors():
+        key = prefix + ".".join(str(part) for part in err["loc"]) if err["loc"] else "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key '{key}' (check the spelling; see jobs/default.yaml for every key)")
+        elif err["type"] == "missing":
+            lines.append(f"{path}: missing required key '{key}'")
+        else:
+            got = err.get("input")
+            shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
+            lines.append(f"{path}: key '{key}': {err['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def load_job(path: str | Path) -> JobConfig:
+    """Load and validate a job file; raise ConfigError naming the file and every bad key."""
+    path = Path(path)
+    raw = _read_yaml(path)
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from None
+
+
+def load_profile(path: str | Path, host: str) -> dict[str, Any]:
+    """Load a host's memory profile; only rank-local keys are allowed in it."""
+    path = Path(path)
+    raw = _read_yaml(path)
+    allowed = set(RankLocalConfig.model_fields)
+    for key in raw:
+        if key in CLUSTER_WIDE_SECTIONS or key == "name":
+            raise ConfigError(
+                f"{path} on host {host}: key '{key}' is cluster-wide and must be the same on every rank; "
+                f"set it in the job file instead. A profile may only set: {', '.join(sorted(allowed))}"
+            )
+        if key not in allowed:
+            raise ConfigError(
+                f"{path} on host {host}: unknown key '{key}'; a profile may only set: {', '.join(sorted(allowed))}"
+            )
+    try:
+        RankLocalConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from None
+    return raw
+
+
+def apply_profile(job: JobConfig, profile: dict[str, Any]) -> JobConfig:
+    """The job as this rank runs it: the profile's rank-local keys merged over the job's."""
+    merged = job.rank_local.model_copy(update=profile)
+    return job.model_copy(update={"rank_local": RankLocalConfig.model_validate(merged.model_dump())})

@@ -1,0 +1,90 @@
+"""Drive an Ansible playbook through ansible-runner, in the background, collecting what failed."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class PlaybookRun:
+    """A playbook running in a thread; ``failures`` maps host -> message once hosts fail."""
+
+    thread: threading.Thread | None = None
+    runner: Any = None
+    failures: dict[str, str] = field(default_factory=dict)
+    tasks: list[str] = field(default_factory=list)
+    cancelled: bool = False
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    @property
+    def ok(self) -> bool:
+        return self.runner is not None and self.runner.status == "successful" and not self.failures
+
+
+def _failure_message(result: dict[str, Any]) -> str:
+    msg = result.get("msg") or ""
+    if not msg and result.get("stderr"):
+        msg = result["stderr"]
+    if isinstance(msg, list):
+        msg = "\n".join(str(m) for m in msg)
+    return str(msg).strip() or "failed (no message)"
+
+
+def start_playbook(
+    playbook: str, inventory: Path, extravars: dict[str, Any], private_dir: Path, on_task: Any = None
+) -> PlaybookRun:
+    """Start ``playbooks/<playbook>`` against ``inventory``; returns at once."""
+    import ansible_runner
+
+    private_dir.mkdir(parents=True, exist_ok=True)
+    run = PlaybookRun()
+
+    def on_event(event: dict[str, Any]) -> bool:
+        kind = event.get("event", "")
+        data = event.get("event_data", {})
+        if kind in ("runner_on_ok", "runner_on_failed"):  # tasks that ran (skipped ones stay quiet)
+            name = data.get("task", "")
+            if name not in run.tasks:
+                run.tasks.append(name)
+                if on_task is not None:
+                    on_task(name)
+        if kind in ("runner_on_failed", "runner_on_unreachable"):
+            if kind == "runner_on_failed" and data.get("ignore_errors"):
+                return True
+            host = data.get("host", "?")
+            run.failures[host] = _failure_message(data.get("res", {}))
+        return True
+
+    run.thread, run.runner = ansible_runner.run_async(
+        private_data_dir=str(private_dir),
+        project_dir=str(REPO),
+        playbook=str(REPO / "playbooks" / playbook),
+        inventory=str(inventory.resolve()),
+        extravars=extravars,
+        envvars={
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            # ansible-playbook lives next to this interpreter, whether or not the venv is on PATH.
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        },
+        quiet=True,
+        event_handler=on_event,
+        cancel_callback=lambda: run.cancelled,
+    )
+    return run

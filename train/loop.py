@@ -1,0 +1,148 @@
+"""The training loop every rank runs. Read top to bottom: set-up, resume, steps, checkpoints, finish."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from train import checkpoint, distributed
+from train.config import JobConfig
+from train.data import prepare
+from train.distributed import RankInfo
+from train.metrics import MetricsWriter, plot_loss, write_status
+from train.model import load_model
+from train.sampler import GlobalBatchSampler, equal_shares
+from train.schedule import warmup_cosine
+from train.step import backward, clip
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient went NaN/Inf; the run stops and keeps its last good checkpoint."""
+
+
+class _MicroBatchIndices:
+    """This rank's micro-batches (lists of block indices) from ``start`` to the last step, in order."""
+
+    def __init__(self, sampler: GlobalBatchSampler, rank: int, micro: int, start: int, stop: int) -> None:
+        self.sampler, self.rank, self.micro, self.start, self.stop = sampler, rank, micro, start, stop
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start, self.stop):
+            yield from self.sampler.micro_batches(step, self.rank, self.micro)
+
+
+def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: bool) -> None:
+    torch.manual_seed(job.train.seed)
+    model, tokenizer, backend = load_model(job, code_dir, info.device)
+    blocks = prepare(job.data, tokenizer, code_dir)
+    shares = equal_shares(job.train.global_batch_size, info.world_size)
+    sampler = GlobalBatchSampler(len(blocks), job.train.global_batch_size, tuple(shares), job.train.seed)
+    micro = job.rank_local.micro_batch_size
+    accum = math.ceil(shares[info.rank] / micro)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        trainable, lr=job.optim.lr, betas=job.optim.betas, eps=job.optim.eps, weight_decay=job.optim.weight_decay
+    )
+    scheduler = warmup_cosine(optimizer, job.schedule.warmup_steps, job.train.max_steps, job.schedule.min_lr_ratio)
+    log.info(
+        "backend=%s device=%s blocks=%d seq_len=%d trainable=%d share=%d micro_batch=%d accumulation=%d",
+        backend,
+        info.device,
+        len(blocks),
+        job.data.seq_len,
+        sum(p.numel() for p in trainable),
+        shares[info.rank],
+        micro,
+        accum,
+    )
+
+    start = 0
+    torch.manual_seed(job.train.seed + 7919 * (info.rank + 1))  # LoRA dropout differs per rank
+    restored = checkpoint.restore(run_dir, model, optimizer, scheduler, info.rank) if resume else None
+    if restored is not None:
+        start = restored.step
+        log.info("resumed from %s at step %d", restored.path, start)
+    elif resume:
+        log.info("no intact checkpoint in %s: starting from step 0", run_dir / "checkpoints")
+
+    ddp = distributed.wrap(model, info)
+    loader: DataLoader[dict[str, torch.Tensor]] = DataLoader(
+        blocks,
+        batch_sampler=_MicroBatchIndices(sampler, info.rank, micro, start, job.train.max_steps),
+        num_workers=job.rank_local.dataloader_workers,
+        pin_memory=info.device.type == "cuda",
+        generator=torch.Generator().manual_seed(job.train.seed),  # keeps the global RNG (dropout) untouched
+    )
+    batches = iter(loader)
+    writer = MetricsWriter(run_dir, job.train.max_steps, start) if info.is_main else None
+    if info.is_main:
+        write_status(
+            run_dir,
+            state="running",
+            step=start,
+            total_steps=job.train.max_steps,
+            backend=backend,
+            world_size=info.world_size,
+        )
+
+    ddp.train()
+    for step in range(start, job.train.max_steps):
+        micro_batches = [
+            {k: v.to(info.device, non_blocking=True) for k, v in next(batches).items()} for _ in range(accum)
+        ]
+        loss, tokens = backward(ddp, micro_batches, info.device)
+        grad_norm = clip(trainable, job.optim.grad_clip)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            last = checkpoint.latest_valid(run_dir)
+            raise NonFiniteError(
+                f"step {step + 1}: loss={loss} grad_norm={grad_norm} at lr={scheduler.get_last_lr()[0]:.3g}. "
+                f"The update was not applied. Last good checkpoint: {last or 'none'}. "
+                "Lower optim.lr, raise schedule.warmup_steps or lower optim.grad_clip, then resume."
+            )
+        lr = float(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+
+        if writer is not None:
+            row = writer.log(done, loss, tokens, lr, grad_norm, sampler.epoch_of(done))
+            if done % job.train.log_every == 0 or done in (start + 1, job.train.max_steps):
+                log.info(
+                    "step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f",
+                    done,
+                    job.train.max_steps,
+                    loss,
+                    lr,
+                    grad_norm,
+                    row["tokens_per_s"],
+                )
+        if done % job.checkpoint.every == 0 or done == job.train.max_steps:
+            saved = checkpoint.save(
+                run_dir,
+                done,
+                model,
+                optimizer,
+                scheduler,
+                job.checkpoint.keep_last,
+                info.is_main,
+                {"cluster_hash": job.cluster_hash(), "world_size": info.world_size},
+            )
+            if saved is not None:
+                log.info("checkpoint %s written and verified", saved)
+                write_status(run_dir, step=done, last_checkpoint=str(saved))
+
+    if writer is not None:
+        writer.close()
+        model.save_pretrained(str(run_dir / "adapter"))
+        tokenizer.save_pretrained(str(run_dir / "adapter"))
+        plot_loss(run_dir)
+        write_status(run_dir, state="finished", step=job.train.max_steps)
+        log.info("finished: adapter in %s", run_dir / "adapter")

@@ -1,0 +1,98 @@
+"""Rank 0's record of a run: metrics.jsonl, TensorBoard events, run.json status, the loss curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS = "metrics.jsonl"
+STATUS = "run.json"
+
+
+def write_status(run_dir: Path, **fields: Any) -> None:
+    """Merge fields into run.json atomically (readers never see half a file)."""
+    path = run_dir / STATUS
+    current: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    current |= fields
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(current, indent=1))
+    os.replace(tmp, path)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / METRICS
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            break  # a line being written right now
+    return rows
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = run_dir
+        self.total = total_steps
+        self.start_step = start_step
+        self.started = time.monotonic()
+        self.tokens_since_start = 0
+        self._file = (run_dir / METRICS).open("a", encoding="utf-8")
+        self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
+
+    def log(self, step: int, loss: float, tokens: int, lr: float, grad_norm: float, epoch: float) -> dict[str, Any]:
+        self.tokens_since_start += tokens
+        elapsed = time.monotonic() - self.started
+        done = step - self.start_step
+        row = {
+            "step": step,
+            "total_steps": self.total,
+            "loss": round(loss, 6),
+            "lr": lr,
+            "grad_norm": round(grad_norm, 6),
+            "tokens": tokens,
+            "tokens_per_s": round(self.tokens_since_start / elapsed, 1) if elapsed > 0 else 0.0,
+            "epoch": round(epoch, 4),
+            "elapsed_s": round(elapsed, 2),
+            "eta_s": round(elapsed / done * (self.total - step), 1) if done else None,
+            "time": time.time(),
+        }
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+            self._tb.add_scalar(f"train/{key}", row[key], step)
+        return row
+
+    def close(self) -> None:
+        self._file.close()
+        self._tb.close()
+
+
+def plot_loss(run_dir: Path) -> Path | None:
+    """Draw loss over steps from metrics.jsonl into loss.png."""
+    rows = read_metrics(run_dir)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".", linewidth=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (mean per label token)")
+    ax.set_title(run_dir.name)
+    ax.grid(alpha=0.3)
+    out = run_dir / "loss.png"
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,161 @@
+"""Model loading: unsloth on CUDA when available, transformers + peft otherwise.
+
+Each branch is a small function of its own so that the CUDA ones can be exercised directly on a
+GPU machine. The frozen base is loaded from disk (or built from a seeded config) on every rank,
+so DDP never has to broadcast it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from train.config import ConfigError, JobConfig, LoraConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_path(name: str, base_dir: Path) -> str:
+    """A local directory relative to the code dir when it exists there, else the name as given (hub)."""
+    candidate = Path(name) if Path(name).is_absolute() else base_dir / name
+    return str(candidate) if candidate.exists() else name
+
+
+def resolve_backend(cfg: ModelConfig, cuda: bool) -> str:
+    unsloth_ok = cuda and importlib.util.find_spec("unsloth") is not None
+    if cfg.backend == "unsloth" and not unsloth_ok:
+        why = "CUDA is not available" if not cuda else "the unsloth package is not installed"
+        raise ConfigError(f"model.backend: 'unsloth' was asked for but {why}; use 'auto' or 'hf'")
+    if cfg.quantization == "4bit" and not cuda:
+        raise ConfigError("model.quantization: '4bit' needs CUDA (bitsandbytes); use 'none' on CPU")
+    if cfg.backend == "auto":
+        return "unsloth" if unsloth_ok else "hf"
+    return cfg.backend
+
+
+def load_tokenizer(cfg: ModelConfig, base_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    name = resolve_path(cfg.tokenizer or cfg.source, base_dir)
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from '{name}': {exc}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def quantization_config(cfg: ModelConfig) -> Any:
+    """bitsandbytes NF4 with double quantization, computing in the job's dtype (CUDA only)."""
+    from transformers import BitsAndBytesConfig
+
+    compute = DTYPES[cfg.dtype] if cfg.dtype != "float32" else torch.bfloat16
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute,
+    )
+
+
+def load_base_hf(cfg: ModelConfig, base_dir: Path, device: torch.device, seed: int) -> torch.nn.Module:
+    """The frozen base model through transformers, on this rank's device only."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    name = resolve_path(cfg.source, base_dir)
+    dtype = DTYPES[cfg.dtype]
+    try:
+        if cfg.init == "random":
+            config = AutoConfig.from_pretrained(name)
+            torch.manual_seed(seed)  # identical base weights on every rank
+            model: Any = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return cast(torch.nn.Module, model.to(device))
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if device.type == "cuda":
+            # One whole copy per rank: "auto" would silently split the model across GPUs.
+            kwargs["device_map"] = {"": device.index}
+        if cfg.quantization == "4bit":
+            kwargs["quantization_config"] = quantization_config(cfg)
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.source: cannot load '{name}': {exc}") from None
+    return model if device.type == "cuda" else model.to(device)
+
+
+def add_lora_hf(model: Any, lora: LoraConfig, cfg: ModelConfig, checkpointing: bool) -> Any:
+    """Freeze the base and attach LoRA adapters with peft."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if cfg.quantization == "4bit":
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    peft_cfg = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError as exc:
+        raise ConfigError(f"lora.target_modules: {exc}") from None
+
+
+def load_unsloth(job: JobConfig, base_dir: Path, local_rank: int, checkpointing: bool) -> tuple[Any, Any]:
+    """unsloth's FastLanguageModel with its LoRA patching (CUDA only)."""
+    from unsloth import FastLanguageModel
+
+    cfg = job.model
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=resolve_path(cfg.source, base_dir),
+        max_seq_length=job.data.seq_len,
+        dtype=None if cfg.dtype == "float32" else DTYPES[cfg.dtype],
+        load_in_4bit=cfg.quantization == "4bit",
+        device_map={"": local_rank},
+    )
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=job.lora.r,
+        lora_alpha=job.lora.alpha,
+        lora_dropout=job.lora.dropout,
+        target_modules=list(job.lora.target_modules),
+        bias="none",
+        use_gradient_checkpointing="unsloth" if checkpointing else False,
+        random_state=job.train.seed,
+    )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def load_model(job: JobConfig, base_dir: Path, device: torch.device) -> tuple[Any, Any, str]:
+    """Base model + LoRA + tokenizer for this rank; returns the backend actually used."""
+    cuda = device.type == "cuda"
+    backend = resolve_backend(job.model, cuda)
+    checkpointing = job.rank_local.gradient_checkpointing
+    if backend == "unsloth" and job.model.init == "pretrained":
+        model, tokenizer = load_unsloth(job, base_dir, device.index or 0, checkpointing)
+        return model, tokenizer, backend
+    if backend == "unsloth":
+        log.info("model.init is 'random': unsloth loads pretrained weights only, using transformers + peft")
+        backend = "hf"
+    tokenizer = load_tokenizer(job.model, base_dir)
+    base = load_base_hf(job.model, base_dir, device, job.train.seed)
+    model = add_lora_hf(base, job.lora, job.model, checkpointing)
+    return model, tokenizer, backend

@@ -1,0 +1,91 @@
+"""What torchrun runs on every rank: ``python -m train.worker --job JOB --run-dir DIR``.
+
+Exit codes: 0 finished, 2 bad configuration (message names the file/host and key),
+3 the loss or gradient went non-finite (the last good checkpoint is kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from train import distributed, loop
+from train.config import ConfigError, DistributedConfig, JobConfig, apply_profile, load_job, load_profile
+from train.metrics import write_status
+
+log = logging.getLogger("train")
+
+
+def _setup_logging(run_dir: Path, host: str, rank: int) -> None:
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s {host} rank{rank} %(levelname)s %(message)s", "%H:%M:%S")
+    file_handler = logging.FileHandler(logs / f"{host}-rank{rank}.log")
+    file_handler.setFormatter(fmt)
+    handlers: list[logging.Handler] = [file_handler]
+    if rank == 0:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(fmt)
+        handlers.append(console)
+    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)
+    # peft still calls a transformers method renamed in v5; the message says nothing about this run.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m train.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--job", required=True, type=Path, help="job file (YAML)")
+    parser.add_argument("--run-dir", required=True, type=Path, help="directory this run writes to")
+    parser.add_argument("--resume", choices=["none", "auto"], default="none")
+    parser.add_argument("--profile", type=Path, default=None, help="this host's memory profile (rank-local keys)")
+    parser.add_argument("--code-dir", type=Path, default=Path.cwd(), help="base for relative paths in the job")
+    return parser.parse_args(argv)
+
+
+def _load(args: argparse.Namespace, host: str) -> tuple[JobConfig | None, str | None]:
+    """The job as this host runs it (profile merged), or why it cannot be used."""
+    try:
+        job = load_job(args.job)
+        if args.profile is not None:
+            job = apply_profile(job, load_profile(args.profile, host))
+    except ConfigError as exc:
+        return None, str(exc)
+    return job, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir = args.run_dir.resolve()
+    host = os.environ.get("UGRO_HOST") or os.uname().nodename
+    _setup_logging(run_dir, host, rank)
+    try:
+        job, problem = _load(args, host)
+        info = distributed.init(job.distributed.timeout_s if job else DistributedConfig().timeout_s)
+        distributed.agree(problem, info)  # a bad file on one host stops every rank, none waits
+        assert job is not None
+        distributed.check_same_job(job, info)
+        loop.run(job, info, run_dir, args.code_dir.resolve(), resume=args.resume == "auto")
+        return 0
+    except ConfigError as exc:
+        log.error("configuration error: %s", exc)
+        if rank == 0:
+            write_status(run_dir, state="failed", error=str(exc))
+        return 2
+    except loop.NonFiniteError as exc:
+        log.error("stopped: non-finite values: %s", exc)
+        if rank == 0:
+            write_status(run_dir, state="failed", error=f"non-finite: {exc}")
+        return 3
+    finally:
+        distributed.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
