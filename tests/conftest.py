@@ -27,6 +27,9 @@ def small_job(**overrides: Any) -> dict[str, Any]:
     job: dict[str, Any] = {
         "name": "test",
         "model": {"source": "models/tiny-llama", "init": "random"},
+        "lora": {
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+        },
         "data": {"source": "data/sample/cluster-troubleshooting.jsonl", "seq_len": 128},
         "optim": {"lr": 0.003},
         "schedule": {"warmup_steps": 4},

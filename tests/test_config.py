@@ -59,7 +59,7 @@ def test_yaml_syntax_error_gives_line(tmp_path: Path) -> None:
 
 
 def test_missing_file_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="nope.yaml: file not found"):
+    with pytest.raises(ConfigError, match=r"nope\.yaml: file not found"):
         load_job(tmp_path / "nope.yaml")
 
 

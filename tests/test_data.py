@@ -21,7 +21,7 @@ def tokenizer() -> object:
 def test_completion_only_labels_cover_exactly_the_answer(tokenizer: object) -> None:
     cfg = DataConfig(source="x.jsonl", format="instruction", train_on="completion")
     record = {"instruction": "Why does rank 1 hang?", "output": "Its firewall drops 29500."}
-    (ids, labels), = tokenize([record], cfg, tokenizer)
+    ((ids, labels),) = tokenize([record], cfg, tokenizer)
     trained = [t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE]
     text = tokenizer.decode(trained)  # type: ignore[attr-defined]
     assert text.startswith("Its firewall drops 29500.")
@@ -30,14 +30,14 @@ def test_completion_only_labels_cover_exactly_the_answer(tokenizer: object) -> N
 
 def test_train_on_all_labels_every_token(tokenizer: object) -> None:
     cfg = DataConfig(source="x.jsonl", train_on="all")
-    (ids, labels), = tokenize([{"instruction": "a", "output": "b"}], cfg, tokenizer)
+    ((ids, labels),) = tokenize([{"instruction": "a", "output": "b"}], cfg, tokenizer)
     assert labels[1:] == ids[1:]
 
 
 def test_chat_format_trains_on_assistant_turns(tokenizer: object) -> None:
     cfg = DataConfig(source="x.jsonl", format="chat")
     record = {"messages": [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]}
-    (ids, labels), = tokenize([record], cfg, tokenizer)
+    ((ids, labels),) = tokenize([record], cfg, tokenizer)
     trained = tokenizer.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE])  # type: ignore[attr-defined]
     assert "pong" in trained and "ping" not in trained
 
@@ -49,17 +49,20 @@ def test_record_that_does_not_fit_the_format_is_named(tokenizer: object) -> None
 
 
 def test_packing_makes_full_blocks_without_padding() -> None:
-    examples = [([1, 5, 6, 2], [-100, 5, 6, 2]), ([1, 7, 2], [-100, 7, 2]), ([1, 8, 9, 9, 2], [-100, 8, 9, 9, 2])]
-    blocks = build_blocks(examples, DataConfig(source="x", seq_len=4, packing=True), pad_id=0)
-    assert blocks.input_ids.tolist() == [[1, 5, 6, 2], [1, 7, 2, 1], [8, 9, 9, 2]]
+    examples = [([1, 5, 6, 7, 2], [-100, 5, 6, 7, 2]), ([1, 7, 2], [-100, 7, 2]), ([1, 8, 9, 9, 2], [-100, 8, 9, 9, 2])]
+    blocks = build_blocks(examples, DataConfig(source="x", seq_len=8, packing=True), pad_id=0)
+    assert blocks.input_ids.tolist() == [[1, 5, 6, 7, 2, 1, 7, 2]]  # the 5-token tail is dropped
+    assert blocks.labels.tolist() == [[-100, 5, 6, 7, 2, -100, 7, 2]]
     assert bool(blocks.attention_mask.all())
 
 
 def test_no_packing_pads_and_masks() -> None:
-    blocks = build_blocks([([1, 5, 2], [-100, 5, 2])], DataConfig(source="x", seq_len=5, packing=False), pad_id=0)
-    assert blocks.input_ids.tolist() == [[1, 5, 2, 0, 0]]
-    assert blocks.labels.tolist() == [[-100, 5, 2, -100, -100]]
-    assert blocks.attention_mask.tolist() == [[1, 1, 1, 0, 0]]
+    long = list(range(10, 22))
+    examples = [([1, 5, 2], [-100, 5, 2]), (long, long)]
+    blocks = build_blocks(examples, DataConfig(source="x", seq_len=8, packing=False), pad_id=0)
+    assert blocks.input_ids.tolist() == [[1, 5, 2, 0, 0, 0, 0, 0], long[:8]]
+    assert blocks.labels.tolist()[0] == [-100, 5, 2, -100, -100, -100, -100, -100]
+    assert blocks.attention_mask.tolist() == [[1, 1, 1, 0, 0, 0, 0, 0], [1] * 8]
 
 
 def test_sample_data_loads_through_datasets(tokenizer: object) -> None:
@@ -71,5 +74,5 @@ def test_sample_data_loads_through_datasets(tokenizer: object) -> None:
 
 
 def test_missing_data_file_is_a_config_error(tmp_path: Path, tokenizer: object) -> None:
-    with pytest.raises(ConfigError, match="data.source"):
+    with pytest.raises(ConfigError, match=r"data\.source"):
         load_records(DataConfig(source=str(tmp_path / "absent.jsonl")), REPO)

@@ -44,7 +44,7 @@ def _step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]]) 
     opt = torch.optim.SGD(params, lr=1.0)  # SGD: the update is the gradient itself, nothing hides an error
     backward(model, micro_batches, torch.device("cpu"))
     opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _rank(rank: int, port: int, out: str) -> None:

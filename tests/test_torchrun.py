@@ -36,7 +36,7 @@ def test_loss_falls_and_the_run_leaves_everything(baseline: Path) -> None:
     rows = read_metrics(baseline)
     assert [r["step"] for r in rows] == list(range(1, 41))
     first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
-    assert last < 0.75 * first, f"loss went from {first} to {last}"
+    assert last < 0.85 * first, f"loss went from {first} to {last}"
     assert (baseline / "adapter" / "adapter_config.json").is_file()
     assert (baseline / "adapter" / "adapter_model.safetensors").is_file()
     assert [p.name for p in sorted((baseline / "checkpoints").iterdir())] == [
@@ -70,7 +70,8 @@ def test_killed_run_resumes_to_the_same_loss(baseline: Path, tmp_path: Path) -> 
 
     result = torchrun(job, run_dir, resume="auto")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "resumed from" in (run_dir / "logs").joinpath(next(p.name for p in (run_dir / "logs").glob("*rank0.log"))).read_text()
+    main_log = next((run_dir / "logs").glob("*-rank0.log")).read_text()
+    assert "resumed from" in main_log
     assert abs(_loss_at(run_dir, 40) - _loss_at(baseline, 40)) <= 1e-4
 
 

@@ -132,7 +132,7 @@ def save(
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model.save_pretrained(str(tmp / "adapter"))
+    model.save_pretrained(str(tmp / "adapter"), save_embedding_layers=False)
     state = {
         "step": step,
         "trainable": trainable_state(model),
@@ -157,16 +157,18 @@ def save(
     return final
 
 
-def restore(run_dir: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int) -> Restored | None:
-    """Collective: rank 0 loads the newest intact checkpoint and broadcasts it to every rank."""
+def restore(
+    run_dir: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int, src: int = 0
+) -> Restored | None:
+    """Collective: rank ``src`` loads the newest intact checkpoint and broadcasts it to every rank."""
     payload: list[Any] = [None]
-    if rank == 0:
+    if rank == src:
         path = latest_valid(run_dir)
         if path is not None:
             state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
             payload = [(str(path), state)]
     if dist.is_initialized():
-        dist.broadcast_object_list(payload, src=0)
+        dist.broadcast_object_list(payload, src=src)
     if payload[0] is None:
         return None
     path_str, state = payload[0]

@@ -23,10 +23,11 @@ class RankInfo:
     world_size: int
     host: str
     device: torch.device
+    main_rank: int = 0  # writes metrics and checkpoints: local rank 0 of the rendezvous host
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.rank == self.main_rank
 
 
 def init(timeout_s: int) -> RankInfo:
@@ -45,7 +46,22 @@ def init(timeout_s: int) -> RankInfo:
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
     host = os.environ.get("UGRO_HOST") or socket.gethostname()
-    return RankInfo(rank, local_rank, world, host, device)
+    return RankInfo(rank, local_rank, world, host, device, _main_rank(rank, local_rank, world))
+
+
+def _main_rank(rank: int, local_rank: int, world: int) -> int:
+    """The rank whose disk holds the run: local rank 0 on the host the launcher marked UGRO_MAIN_HOST=1.
+
+    c10d rendezvous numbers nodes by their address, not by inventory order, so global rank 0 may
+    live on any host; checkpoints and metrics belong on the rendezvous host all the same.
+    """
+    candidate = rank if os.environ.get("UGRO_MAIN_HOST") == "1" and local_rank == 0 else world
+    if not dist.is_initialized():
+        return 0
+    everyone: list[int | None] = [None] * world
+    dist.all_gather_object(everyone, candidate)
+    chosen = min(c for c in everyone if c is not None)
+    return chosen if chosen < world else 0
 
 
 def shutdown() -> None:

@@ -65,7 +65,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
 
     start = 0
     torch.manual_seed(job.train.seed + 7919 * (info.rank + 1))  # LoRA dropout differs per rank
-    restored = checkpoint.restore(run_dir, model, optimizer, scheduler, info.rank) if resume else None
+    restored = checkpoint.restore(run_dir, model, optimizer, scheduler, info.rank, info.main_rank) if resume else None
     if restored is not None:
         start = restored.step
         log.info("resumed from %s at step %d", restored.path, start)
@@ -141,7 +141,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
 
     if writer is not None:
         writer.close()
-        model.save_pretrained(str(run_dir / "adapter"))
+        model.save_pretrained(str(run_dir / "adapter"), save_embedding_layers=False)
         tokenizer.save_pretrained(str(run_dir / "adapter"))
         plot_loss(run_dir)
         write_status(run_dir, state="finished", step=job.train.max_steps)
