@@ -9,7 +9,7 @@ INVENTORY ?= inventory/local.yml
 RESUME    ?= none
 PYTEST_ARGS ?=
 
-.PHONY: train validate test lint venv lock clean help
+.PHONY: train validate test lint venv lock clean help testbed-up testbed-down
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -38,6 +38,13 @@ lint: venv
 
 test: venv lint
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+# The test cluster on this machine (root): N hosts tb1..tbN, inventory in .testbed/inventory.yml.
+testbed-up: venv
+	$(PY) molecule/testbed.py up --hosts $(or $(N),3) --dir .testbed
+
+testbed-down:
+	$(PY) molecule/testbed.py down --dir .testbed
 
 lock:
 	$(PYTHON) -m venv /tmp/ugro-lock-venv

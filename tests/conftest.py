@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -14,6 +18,47 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+# The session's test cluster has a subnet of its own, so `make test` runs beside `make testbed-up`.
+SESSION_SUBNET = "10.213.8.0/24"
+
+
+def _why_no_testbed() -> str | None:
+    if os.geteuid() != 0:
+        return "the testbed needs root (network namespaces, bridges, bind mounts)"
+    if shutil.which("ip") is None:
+        return "no `ip` command (iproute2)"
+    if subprocess.run(["ip", "netns", "list"], capture_output=True, check=False).returncode != 0:
+        return "`ip netns` does not work here"
+    return None
+
+
+WHY_NOT = _why_no_testbed()
+
+
+def load_testbed_module() -> ModuleType:
+    """molecule/testbed.py by path: `molecule` is also the name of the Molecule package."""
+    if "ugro_testbed" in sys.modules:
+        return sys.modules["ugro_testbed"]
+    spec = importlib.util.spec_from_file_location("ugro_testbed", REPO / "molecule" / "testbed.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ugro_testbed"] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A 3-host test cluster (tb1..tb3 on eth0/enp5s0/ens3), up for the session and down afterwards."""
+    if WHY_NOT is not None:
+        pytest.skip(WHY_NOT)
+    tb = load_testbed_module()
+    directory = tmp_path_factory.mktemp("testbed")
+    bed = tb.up(directory, hosts=3, subnet=SESSION_SUBNET)
+    try:
+        yield bed
+    finally:
+        tb.down(directory)
 
 
 def free_port() -> int:

@@ -7,17 +7,20 @@ follows the run's progress, and says where the results are.
 from __future__ import annotations
 
 import datetime
-import json
+import os
+import shutil
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
+from train import codesync
 from train.config import ConfigError, JobConfig, load_job
-from train.follow import follow
-from train.launcher import REPO, start_playbook
-from train.metrics import STATUS, read_metrics
+from train.follow import follow, local_source, remote_source
+from train.launcher import REPO, PlaybookRun, run_playbook
+from train.metrics import read_metrics
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ugro: LoRA fine-tuning across the GPUs of a LAN.")
 console = Console()
@@ -48,12 +51,16 @@ def _relative_to_repo(path: Path) -> str:
 
 
 def _pick_run(job: JobConfig, resume: str, runs: Path) -> str:
-    """A new job id, or with --resume auto the newest earlier run of this job that has a checkpoint."""
+    """A new job id, or with --resume auto the newest earlier run of this job.
+
+    Its checkpoints live on the rendezvous host, not necessarily here: the main rank there loads the
+    newest intact one (or starts from step 0 and says so in its log).
+    """
     if resume == "auto":
-        candidates = sorted(p for p in runs.glob(f"{job.name}-*") if (p / "checkpoints").is_dir())
+        candidates = sorted(p for p in runs.glob(f"{job.name}-*") if (p / ".control").is_dir())
         if candidates:
             return candidates[-1].name
-        console.print(f"no earlier run of job '{job.name}' with checkpoints in {runs}: starting fresh")
+        console.print(f"no earlier run of job '{job.name}' in {runs}: starting fresh")
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     return f"{job.name}-{stamp}"
 
@@ -86,6 +93,31 @@ def validate(job_file: JobOpt = Path("jobs/default.yaml")) -> None:
     console.print(f"{job_file}: ok (job '{job.name}', cluster-wide hash {job.cluster_hash()[:12]})")
 
 
+def _launch_failed(run: PlaybookRun, what: str) -> typer.Exit:
+    for host, message in run.failures.items():
+        err.print(f"[bold red]{host}:[/] {message}", highlight=False)
+    if not run.failures:
+        err.print(f"ansible-playbook ended with status {run.runner.status if run.runner else 'unknown'}")
+    return _fail(f"{what} failed", code=1)
+
+
+def _latest_link(run_dir: Path) -> None:
+    link = run_dir.parent / "latest"
+    tmp = run_dir.parent / f".latest-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(run_dir.name)
+    os.replace(tmp, link)
+
+
+def _job_id(job_id: str | None) -> str:
+    if job_id:
+        return job_id
+    link = REPO / "runs" / "latest"
+    if not link.is_symlink():
+        raise _fail("no job id given and runs/latest does not exist: pass --job-id (see runs/)")
+    return os.readlink(link)
+
+
 @app.command()
 def train(
     job_file: JobOpt = Path("jobs/default.yaml"),
@@ -93,8 +125,9 @@ def train(
     resume: Annotated[
         str, typer.Option(help="'auto' continues the newest run of this job from its last checkpoint")
     ] = "none",
+    poll: Annotated[float, typer.Option(help="seconds between status polls of a remote cluster")] = 5.0,
 ) -> None:
-    """Launch the job on every host of the inventory and follow it to the end."""
+    """Sync the code, launch the job on every host of the inventory, and follow it to the end."""
     if resume not in ("none", "auto"):
         raise _fail(f"--resume must be 'none' or 'auto', not '{resume}'")
     job = _load(job_file)
@@ -103,34 +136,98 @@ def train(
     runs = REPO / "runs"
     job_id = _pick_run(job, resume, runs)
     run_dir = runs / job_id
-    extravars = {"ugro_job_id": job_id, "ugro_job_file": _relative_to_repo(job_file), "ugro_resume": resume}
+    control = run_dir / ".control"
+    code_hash = codesync.pack(REPO, control / "code.tar.gz")
+    extravars = {
+        "ugro_job_id": job_id,
+        "ugro_job_file": _relative_to_repo(job_file),
+        "ugro_resume": resume,
+        "ugro_wait": False,
+        "ugro_code_archive": str(control / "code.tar.gz"),
+        "ugro_code_hash": code_hash,
+    }
     console.print(
-        f"job [bold]{job_id}[/] on {inventory}: {job.train.max_steps} steps, "
-        f"global batch {job.train.global_batch_size}, model {job.model.source}"
+        f"job [bold]{job_id}[/] on {inventory}: {job.train.max_steps} steps, global batch "
+        f"{job.train.global_batch_size}, model {job.model.source}, code {code_hash[:12]}"
     )
-    run = start_playbook(
-        "train.yml",
-        inventory,
-        extravars,
-        run_dir / "ansible",
-        on_task=lambda name: console.print(f"[dim]- {name}[/]", highlight=False),
-    )
+    launch = run_playbook("train.yml", inventory, extravars, control / "ansible",
+                          on_task=lambda name: console.print(f"[dim]- {name}[/]", highlight=False))  # fmt: skip
+    if not launch.ok:
+        if resume == "none" and not (run_dir / "hosts").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing started: leave no empty run behind
+        raise _launch_failed(launch, "launch")
+    _latest_link(run_dir)
+    local = all((run_dir / "hosts" / host / "launch.pid").exists() for host in launch.hosts)
+    source = local_source(run_dir, launch.hosts) if local else remote_source(inventory, job_id, control / "ansible")
     try:
-        follow(run, run_dir, console)
-        run.wait()
+        statuses = follow(source, console, poll_s=1.0 if local else poll)
     except KeyboardInterrupt:
-        run.cancel()
-        run.wait(10)
-        console.print(f"\ndetached: the job keeps running on its hosts; results will be in {run_dir}")
+        console.print(f"\ndetached: job {job_id} keeps running; `make status`, `make logs`, `make stop`")
         raise typer.Exit(130) from None
-    if not run.ok:
-        status = json.loads((run_dir / STATUS).read_text()) if (run_dir / STATUS).is_file() else {}
-        for host, message in run.failures.items():
-            err.print(f"[bold red]{host}:[/] {message}", highlight=False)
-        if status.get("error"):
-            err.print(f"[bold red]cause:[/] {status['error']}", highlight=False)
-        raise _fail(f"the run failed; logs are in {run_dir / 'logs'} and {run_dir / 'hosts'}", code=1)
+    run_playbook("logs.yml", inventory, {"ugro_job_id": job_id}, control / "ansible")
+    bad = {host: s for host, s in statuses.items() if s.get("state") != "finished"}
+    if bad:
+        for host, state in bad.items():
+            code = f" (exit code {state['exit_code']})" if state.get("exit_code") is not None else ""
+            err.print(f"[bold red]{host}:[/] {state.get('state')}{code}", highlight=False)
+        cause = next((s["error"] for s in statuses.values() if s.get("error")), None)
+        if cause:
+            err.print(f"[bold red]cause:[/] {cause}", highlight=False)
+        raise _fail(f"the run did not finish; logs are in {run_dir / 'logs'}", code=1)
     _summary(run_dir)
+
+
+@app.command()
+def status(
+    inventory: InventoryOpt = Path("inventory/local.yml"),
+    job_id: Annotated[str | None, typer.Option(help="job id (default: runs/latest)")] = None,
+) -> None:
+    """Per host: running / finished / failed / stopped, step, last loss, process ids."""
+    job_id = _job_id(job_id)
+    run = run_playbook("status.yml", inventory, {"ugro_job_id": job_id}, REPO / "runs" / ".control" / "status")
+    table = Table(title=f"job {job_id}")
+    for column in ("host", "state", "step", "loss", "tokens/s", "pids"):
+        table.add_column(column)
+    for host in run.hosts:
+        s = run.facts.get(host, {}).get("train_job_status", {})
+        state = s.get("state") or ("unreachable" if host in run.failures else "?")
+        step = f"{s['step']}/{s['total_steps']}" if "step" in s else ""
+        table.add_row(host, state, step, f"{s['loss']:.4f}" if "loss" in s else "",
+                      f"{s['tokens_per_s']:.0f}" if "tokens_per_s" in s else "",
+                      " ".join(str(p) for p in s.get("pids", {}).values()))  # fmt: skip
+    console.print(table)
+    for host, message in run.failures.items():
+        err.print(f"[bold red]{host}:[/] {message}", highlight=False)
+    if run.failures:
+        raise typer.Exit(1)
+
+
+@app.command()
+def stop(
+    inventory: InventoryOpt = Path("inventory/local.yml"),
+    job_id: Annotated[str | None, typer.Option(help="job id (default: runs/latest)")] = None,
+) -> None:
+    """Stop the job's own processes on every host (recorded process group and pids) and confirm."""
+    job_id = _job_id(job_id)
+    run = run_playbook("stop.yml", inventory, {"ugro_job_id": job_id}, REPO / "runs" / ".control" / "stop")
+    if not run.ok:
+        raise _launch_failed(run, "stop")
+    console.print(f"job {job_id}: no process of it is left on {', '.join(run.hosts)}")
+
+
+@app.command()
+def logs(
+    inventory: InventoryOpt = Path("inventory/local.yml"),
+    job_id: Annotated[str | None, typer.Option(help="job id (default: runs/latest)")] = None,
+) -> None:
+    """Collect every host's logs (and the main host's results) into runs/<job-id>/."""
+    job_id = _job_id(job_id)
+    run_dir = REPO / "runs" / job_id
+    run = run_playbook("logs.yml", inventory, {"ugro_job_id": job_id}, run_dir / ".control" / "ansible")
+    if not run.ok:
+        raise _launch_failed(run, "collecting logs")
+    _latest_link(run_dir)
+    console.print(f"logs of {', '.join(run.hosts)} in {run_dir / 'logs'} (runs/latest -> {job_id})")
 
 
 def main() -> None:

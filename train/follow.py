@@ -1,15 +1,50 @@
-"""Live progress of a run, read from rank 0's metrics.jsonl while the launch playbook waits."""
+"""Follow a launched job to its end: live step, loss, tokens/s and ETA, from the hosts' own state.
+
+Where the hosts write into the controller's checkout (inventory/local.yml) the state is read from
+the run directory directly; on a cluster it comes from `playbooks/status.yml` every few seconds.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from train.launcher import PlaybookRun
-from train.metrics import read_metrics
+from train import jobstate
+from train.launcher import run_playbook
+
+Statuses = dict[str, dict[str, Any]]
+StatusSource = Callable[[], Statuses]
+ENDED = {"finished", "failed", "stopped", "lost", "absent"}
+
+
+def local_source(run_dir: Path, hosts: list[str]) -> StatusSource:
+    return lambda: {host: jobstate.status(run_dir, host, main=True) for host in hosts}
+
+
+def remote_source(inventory: Path, job_id: str, private_dir: Path) -> StatusSource:
+    def poll() -> Statuses:
+        run = run_playbook("status.yml", inventory, {"ugro_job_id": job_id}, private_dir)
+        found: Statuses = {
+            host: facts["train_job_status"] for host, facts in run.facts.items() if "train_job_status" in facts
+        }
+        for host, message in run.failures.items():
+            found[host] = {"host": host, "state": "unreachable", "error": message}
+        return found
+
+    return poll
+
+
+def ended(statuses: Statuses) -> bool:
+    return bool(statuses) and all(s.get("state") in ENDED for s in statuses.values())
+
+
+def _progress_row(statuses: Statuses) -> dict[str, Any] | None:
+    return next((s for s in statuses.values() if "step" in s), None)
 
 
 def _eta(seconds: float | None) -> str:
@@ -19,15 +54,10 @@ def _eta(seconds: float | None) -> str:
     return f"{minutes}:{secs:02d}"
 
 
-def follow(run: PlaybookRun, run_dir: Path, console: Console, poll_s: float = 0.5) -> None:
-    """Show step, loss, tokens/s and ETA until the playbook ends (Ctrl-C propagates to the caller)."""
-    if console.is_terminal:
-        _follow_live(run, run_dir, console, poll_s)
-    else:
-        _follow_plain(run, run_dir, console, poll_s)
-
-
-def _follow_live(run: PlaybookRun, run_dir: Path, console: Console, poll_s: float) -> None:
+def follow(source: StatusSource, console: Console, poll_s: float) -> Statuses:
+    """Poll until every host's job has ended; Ctrl-C propagates to the caller (the job keeps running)."""
+    if not console.is_terminal:
+        return _follow_plain(source, console, poll_s)
     columns = (
         TextColumn("[bold]training"),
         BarColumn(),
@@ -37,34 +67,29 @@ def _follow_live(run: PlaybookRun, run_dir: Path, console: Console, poll_s: floa
         TextColumn("ETA {task.fields[eta]}"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console, transient=False) as progress:
+    with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=None, loss="-", tps="-", eta="--:--")
-        while run.running:
-            rows = read_metrics(run_dir)
-            if rows:
-                last = rows[-1]
-                progress.update(
-                    task,
-                    completed=last["step"],
-                    total=last["total_steps"],
-                    loss=f"{last['loss']:.4f}",
-                    tps=f"{last['tokens_per_s']:.0f}",
-                    eta=_eta(last["eta_s"]),
-                )
+        while True:
+            statuses = source()
+            row = _progress_row(statuses)
+            if row is not None:
+                progress.update(task, completed=row["step"], total=row["total_steps"], loss=f"{row['loss']:.4f}",
+                                tps=f"{row['tokens_per_s']:.0f}", eta=_eta(row["eta_s"]))  # fmt: skip
+            if ended(statuses):
+                return statuses
             time.sleep(poll_s)
 
 
-def _follow_plain(run: PlaybookRun, run_dir: Path, console: Console, poll_s: float) -> None:
-    shown = 0
-    next_report = 0.0
-    while run.running:
-        rows = read_metrics(run_dir)
+def _follow_plain(source: StatusSource, console: Console, poll_s: float) -> Statuses:
+    last_step, next_report = -1, 0.0
+    while True:
+        statuses = source()
+        row = _progress_row(statuses)
         now = time.monotonic()
-        if rows and len(rows) > shown and now >= next_report:
-            last = rows[-1]
-            console.print(
-                f"step {last['step']}/{last['total_steps']}  loss {last['loss']:.4f}  "
-                f"{last['tokens_per_s']:.0f} tok/s  ETA {_eta(last['eta_s'])}"
-            )
-            shown, next_report = len(rows), now + 5
+        if row is not None and row["step"] != last_step and (now >= next_report or ended(statuses)):
+            console.print(f"step {row['step']}/{row['total_steps']}  loss {row['loss']:.4f}  "
+                          f"{row['tokens_per_s']:.0f} tok/s  ETA {_eta(row['eta_s'])}")  # fmt: skip
+            last_step, next_report = row["step"], now + 5
+        if ended(statuses):
+            return statuses
         time.sleep(poll_s)

@@ -20,6 +20,8 @@ class PlaybookRun:
     runner: Any = None
     failures: dict[str, str] = field(default_factory=dict)
     tasks: list[str] = field(default_factory=list)
+    facts: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> facts the play set
+    hosts: list[str] = field(default_factory=list)
     cancelled: bool = False
 
     @property
@@ -59,6 +61,11 @@ def start_playbook(
     def on_event(event: dict[str, Any]) -> bool:
         kind = event.get("event", "")
         data = event.get("event_data", {})
+        host = data.get("host")
+        if host and host not in run.hosts and kind.startswith("runner_on_"):
+            run.hosts.append(host)
+        if kind == "runner_on_ok" and host:
+            run.facts.setdefault(host, {}).update(data.get("res", {}).get("ansible_facts", {}))
         if kind in ("runner_on_ok", "runner_on_failed"):  # tasks that ran (skipped ones stay quiet)
             name = data.get("task", "")
             if name not in run.tasks:
@@ -84,7 +91,17 @@ def start_playbook(
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         },
         quiet=True,
+        rotate_artifacts=3,
         event_handler=on_event,
         cancel_callback=lambda: run.cancelled,
     )
+    return run
+
+
+def run_playbook(
+    playbook: str, inventory: Path, extravars: dict[str, Any], private_dir: Path, on_task: Any = None
+) -> PlaybookRun:
+    """Run a playbook to its end."""
+    run = start_playbook(playbook, inventory, extravars, private_dir, on_task)
+    run.wait()
     return run

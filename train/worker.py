@@ -38,6 +38,13 @@ def _setup_logging(run_dir: Path, host: str, rank: int) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _record_pid(run_dir: Path, host: str, rank: int) -> None:
+    """So that `make stop` can end exactly this process (torchrun gives each worker its own session)."""
+    host_dir = run_dir / "hosts" / host
+    host_dir.mkdir(parents=True, exist_ok=True)
+    (host_dir / f"worker-rank{rank}.pid").write_text(f"{os.getpid()}\n")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m train.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--job", required=True, type=Path, help="job file (YAML)")
@@ -65,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir.resolve()
     host = os.environ.get("UGRO_HOST") or os.uname().nodename
     _setup_logging(run_dir, host, rank)
+    _record_pid(run_dir, host, rank)
     try:
         job, problem = _load(args, host)
         info = distributed.init(job.distributed.timeout_s if job else DistributedConfig().timeout_s)

@@ -1,0 +1,818 @@
+#!/usr/bin/env python3
+"""The test cluster ("testbed"): a few real hosts on this machine, reachable over real SSH.
+
+Each host is a network namespace joined to a Linux bridge on the controller by a veth pair, and a
+bubblewrap sandbox inside it with its own hostname, PID namespace, /etc (a copy with the host's
+/etc/hostname and an /etc/hosts naming every host), /root, /tmp, /run and /opt/ugro, running its
+own sshd. The rest of the root filesystem (this repository and its .venv included) is shared and
+writable: a host is a sandbox for tests, not a security boundary.
+
+    python molecule/testbed.py up --hosts 3 [--dir .testbed] [--subnet 10.213.7.0/24]
+    python molecule/testbed.py down [--dir .testbed]
+
+`up` writes <dir>/inventory.yml (group ugro_cluster), <dir>/ssh_config (`ssh -F <dir>/ssh_config tb1`)
+and <dir>/state.json, the record of every namespace, link and process it made; `down` undoes
+exactly what that record names and removes <dir>. Both need root. From Python:
+
+    from testbed import up, down   # load molecule/testbed.py by path: see tests/test_testbed.py
+    bed = up(".testbed", hosts=3)
+    ...
+    down(bed.dir)
+
+Why not containers: no Docker engine here and podman fails (see shared/DESIGN.md). Why a PID
+namespace per host: whatever a test starts on a host (torchrun, a detached job) dies with the host,
+so `down` never has to look for processes by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import ipaddress
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+# Not resolved: the venv's python is a symlink, and only the venv path gives the venv's packages.
+VENV_PYTHON = REPO / ".venv" / "bin" / "python"
+
+DEFAULT_DIR = ".testbed"
+DEFAULT_SUBNET = "10.213.7.0/24"
+DEFAULT_IFNAMES = ("eth0", "enp5s0", "ens3")
+SSH_PORT = 22
+STATE_FILE = "state.json"
+PACKAGES = ("iproute2", "bubblewrap", "openssh-server", "openssh-client")
+TOOLS = {"ip": "iproute2", "bwrap": "bubblewrap", "sshd": "openssh-server", "ssh-keygen": "openssh-client"}
+SSH_OPTS = "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"
+# A clean environment for the sandboxes: nothing of the caller's (venv, proxies, tokens) leaks in.
+SANDBOX_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+
+
+class TestbedError(RuntimeError):
+    """Raised for anything that keeps a testbed from coming up or going down, with the reason."""
+
+    __test__ = False  # not a pytest test class
+
+
+@dataclass(frozen=True)
+class TestbedHost:
+    name: str
+    address: str
+    interface: str
+    namespace: str
+
+    __test__ = False
+
+
+@dataclass(frozen=True)
+class Testbed:
+    dir: Path
+    hosts: list[TestbedHost]
+    inventory: Path
+    key: Path
+    ssh_config: Path
+    bridge: str
+    bridge_address: str
+    subnet: str
+
+    __test__ = False
+
+    def host(self, name: str) -> TestbedHost:
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise KeyError(name)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Testbed:
+        """The testbed that `up` left in `directory` (for example by `make testbed-up`)."""
+        state = _read_state(Path(directory).resolve())
+        if state is None or not state.get("complete"):
+            raise TestbedError(f"no complete testbed in {directory}: run `python molecule/testbed.py up` first")
+        return _testbed_from_state(state)
+
+
+def _testbed_from_state(state: dict[str, Any]) -> Testbed:
+    directory = Path(state["dir"])
+    return Testbed(
+        dir=directory,
+        hosts=[TestbedHost(h["name"], h["address"], h["interface"], h["namespace"]) for h in state["hosts"]],
+        inventory=directory / "inventory.yml",
+        key=directory / "id_ed25519",
+        ssh_config=directory / "ssh_config",
+        bridge=state["bridge"],
+        bridge_address=state["bridge_address"],
+        subnet=state["subnet"],
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Small helpers: commands, the state file, processes.
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if check and proc.returncode != 0:
+        raise TestbedError(
+            f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}"
+        )
+    return proc
+
+
+def _suffix(directory: Path) -> str:
+    """Six hex digits from the testbed's directory: two testbeds in two directories never share a name."""
+    return hashlib.sha256(str(directory).encode()).hexdigest()[:6]
+
+
+def _read_state(directory: Path) -> dict[str, Any] | None:
+    path = directory / STATE_FILE
+    if not path.is_file():
+        return None
+    state: dict[str, Any] = json.loads(path.read_text())
+    return state
+
+
+def _write_state(state: dict[str, Any]) -> None:
+    path = Path(state["dir"]) / STATE_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time in clock ticks) of a live process, or None."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = data.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def _is_ours(proc: dict[str, Any]) -> bool:
+    """Whether the recorded process still runs: same pid and same start time (pids get reused)."""
+    stat = _proc_stat(int(proc["pid"]))
+    if stat is None:
+        return False
+    state, _, start = stat
+    if state in ("Z", "X"):
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(int(proc["pid"]), os.WNOHANG)  # reap it if it is our own child
+        return False
+    return start == int(proc["starttime"])
+
+
+def _record_process(state: dict[str, Any], pid: int, role: str, host: str) -> None:
+    stat = _proc_stat(pid)
+    if stat is None:
+        return  # it has gone already; nothing to stop later
+    state["processes"].append({"pid": pid, "starttime": stat[2], "role": role, "host": host})
+    _write_state(state)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _proc_stat(int(entry.name))
+            if stat is not None and stat[1] == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _pid_namespace(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _namespace_members(init: dict[str, Any]) -> list[int]:
+    """Every process in the PID namespace of a host's init: all of them were started inside the host."""
+    if not _is_ours(init):
+        return []
+    ns = _pid_namespace(int(init["pid"]))
+    if ns is None or ns == _pid_namespace(os.getpid()):
+        return []  # never our own namespace
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and _pid_namespace(int(e.name)) == ns]
+
+
+def _signal(pids: Sequence[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _wait_gone(procs: Sequence[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
+    alive = [p for p in procs if _is_ours(p)]
+    deadline = time.monotonic() + timeout_s
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.03)
+        alive = [p for p in alive if _is_ours(p)]
+    return alive
+
+
+def _stop_processes(procs: Sequence[dict[str, Any]], grace_s: float = 2.0) -> list[dict[str, Any]]:
+    """Stop the recorded processes and whatever runs inside the hosts; returns any still alive.
+
+    Every process inside a host's PID namespace gets SIGTERM (sshd, its sessions, whatever a test
+    started there) and `grace_s` to exit; then SIGKILL to the host's init ends the namespace, and
+    with it anything left in it. The bwrap processes outside exit with their init; any recorded
+    process still alive after that gets SIGKILL. Recorded pids are checked against their recorded
+    start time first, so a reused pid is never signalled.
+    """
+    inits = [p for p in procs if p.get("role") == "init"]
+    # An up that failed between starting bwrap and reading its info left the init unrecorded:
+    # it is the bwrap's child in a PID namespace other than ours.
+    known = {int(p["pid"]) for p in inits}
+    for proc in procs:
+        if proc.get("role") == "bwrap" and _is_ours(proc):
+            for kid in _children(int(proc["pid"])):
+                stat = _proc_stat(kid)
+                if kid not in known and stat and _pid_namespace(kid) not in (None, _pid_namespace(os.getpid())):
+                    inits.append({"pid": kid, "starttime": stat[2], "role": "init", "host": proc.get("host")})
+    members = sorted({pid for init in inits for pid in _namespace_members(init)})
+    _signal(members, signal.SIGTERM)
+    _signal([int(p["pid"]) for p in procs if p.get("role") == "sshd" and _is_ours(p)], signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(set(_namespace_members(i)) - {int(i["pid"])} for i in inits):
+        time.sleep(0.03)
+    _signal([int(p["pid"]) for p in inits if _is_ours(p)], signal.SIGKILL)
+    alive = _wait_gone(procs, 2.0)
+    if alive:
+        _signal([int(p["pid"]) for p in alive], signal.SIGKILL)
+        alive = _wait_gone(alive, 2.0)
+    return alive
+
+
+def _link_exists(name: str) -> bool:
+    return _run("ip", "link", "show", "dev", name, check=False).returncode == 0
+
+
+def _netns_exists(name: str) -> bool:
+    return Path("/run/netns", name).exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks before anything is created.
+
+
+def ensure_tools(install: bool = True) -> None:
+    """Make sure ip, bwrap, sshd and ssh-keygen exist; apt-get installs the missing packages if allowed."""
+    missing = sorted({pkg for tool, pkg in TOOLS.items() if shutil.which(tool) is None and not _sbin(tool)})
+    if not missing:
+        return
+    if not install or shutil.which("apt-get") is None:
+        raise TestbedError(f"missing packages {', '.join(missing)}: apt-get install -y {' '.join(PACKAGES)}")
+    print(f"testbed: installing {', '.join(missing)} with apt-get", file=sys.stderr)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if proc.returncode != 0:
+            raise TestbedError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-2000:]}")
+
+
+def _sbin(tool: str) -> str | None:
+    for base in ("/usr/sbin", "/sbin", "/usr/bin"):
+        if os.access(f"{base}/{tool}", os.X_OK):
+            return f"{base}/{tool}"
+    return None
+
+
+def _tool(tool: str) -> str:
+    path = shutil.which(tool) or _sbin(tool)
+    if path is None:
+        raise TestbedError(f"{tool} not found (package {TOOLS.get(tool, tool)})")
+    return path
+
+
+def _check_subnet_free(net: ipaddress.IPv4Network) -> None:
+    """Refuse a subnet that any address or route on this machine already overlaps."""
+    addrs = json.loads(_run("ip", "-j", "-4", "addr", "show").stdout or "[]")
+    for link in addrs:
+        for info in link.get("addr_info", []):
+            iface = ipaddress.IPv4Interface(f"{info['local']}/{info['prefixlen']}")
+            if iface.network.overlaps(net):
+                raise TestbedError(
+                    f"subnet {net} overlaps {iface} on {link['ifname']} (another testbed? pass --subnet)"
+                )
+    routes = json.loads(_run("ip", "-j", "-4", "route", "show").stdout or "[]")
+    for route in routes:
+        dst = route.get("dst", "")
+        if dst and dst != "default" and ipaddress.IPv4Network(dst, strict=False).overlaps(net):
+            raise TestbedError(f"subnet {net} overlaps the route to {dst} via {route.get('dev')}; pass --subnet")
+
+
+# --------------------------------------------------------------------------------------------------
+# Building one host's private directories.
+
+
+def _hosts_file(hosts: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "# Written by molecule/testbed.py: every testbed host, so names resolve without DNS.",
+        "127.0.0.1\tlocalhost",
+        "::1\tlocalhost ip6-localhost ip6-loopback",
+    ]
+    lines += [f"{h['address']}\t{h['name']}" for h in hosts]
+    return "\n".join(lines) + "\n"
+
+
+def _sshd_config(address: str) -> str:
+    return f"""\
+# Written by molecule/testbed.py for one testbed host.
+ListenAddress {address}:{SSH_PORT}
+HostKey /etc/ssh/ssh_host_ed25519_key
+PidFile /run/sshd.pid
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+AuthorizedKeysFile .ssh/authorized_keys
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+UseDNS no
+PrintMotd no
+AcceptEnv LANG LC_*
+Subsystem sftp internal-sftp
+LogLevel INFO
+"""
+
+
+PRIVATE_DIRS = ("etc", "root", "tmp", "run", "opt")
+# The private /etc and /run live on a tmpfs of the testbed's own: copying /etc (1,200 files, most
+# of them symlinks) takes ~1 s per host on a slow disk and ~25 ms on tmpfs; a real /run is a tmpfs too.
+ON_TMPFS = ("etc", "run")
+
+
+def _host_paths(directory: Path, name: str) -> dict[str, Path]:
+    """Where each of a host's private directories lives on the controller."""
+    return {sub: directory / ("tmpfs" if sub in ON_TMPFS else "") / name / sub for sub in PRIVATE_DIRS}
+
+
+def _prepare_host_dirs(
+    paths: dict[str, Path], host: dict[str, Any], hosts: Sequence[dict[str, Any]], pubkey: str
+) -> list[str]:
+    """Create the host's /etc, /root, /tmp, /run, /opt; return the extra bwrap binds for /opt."""
+    for path in paths.values():
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+    _run("cp", "-a", "/etc", str(paths["etc"]))
+    etc = paths["etc"]
+    (etc / "hostname").write_text(host["name"] + "\n")
+    (etc / "hosts").unlink(missing_ok=True)
+    (etc / "hosts").write_text(_hosts_file(hosts))
+    (etc / "resolv.conf").unlink(missing_ok=True)
+    (etc / "resolv.conf").write_text("# testbed host: no DNS, no route out; names come from /etc/hosts\n")
+    (etc / "machine-id").unlink(missing_ok=True)
+    (etc / "machine-id").write_text(uuid.uuid4().hex + "\n")
+    ssh_dir = etc / "ssh"
+    ssh_dir.mkdir(exist_ok=True)
+    for old in ssh_dir.glob("ssh_host_*"):
+        old.unlink()  # never copy this machine's own host keys into a test host
+    _run(_tool("ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-C", f"root@{host['name']}",
+         "-f", str(ssh_dir / "ssh_host_ed25519_key"))  # fmt: skip
+    (ssh_dir / "sshd_config").write_text(_sshd_config(host["address"]))
+
+    root = paths["root"]
+    (root / ".ssh").mkdir(parents=True)
+    root.chmod(0o700)
+    (root / ".ssh").chmod(0o700)
+    (root / ".ssh" / "authorized_keys").write_text(pubkey)
+    (root / ".ssh" / "authorized_keys").chmod(0o600)
+
+    paths["tmp"].mkdir()
+    paths["tmp"].chmod(0o1777)
+    run = paths["run"]
+    (run / "sshd").mkdir(parents=True)  # sshd's privilege separation directory
+    run.chmod(0o755)
+    (run / "sshd").chmod(0o755)
+
+    # /opt: the host's own empty /opt/ugro beside this machine's /opt entries (wheelhouses and the like),
+    # so nothing is created on this machine's filesystem for the mount point.
+    opt = paths["opt"]
+    (opt / "ugro").mkdir(parents=True)
+    opt.chmod(0o755)
+    binds: list[str] = []
+    real_opt = Path("/opt")
+    if real_opt.is_dir():
+        for entry in sorted(real_opt.iterdir()):
+            if entry.name == "ugro":
+                continue
+            if entry.is_symlink():
+                (opt / entry.name).symlink_to(os.readlink(entry))
+                continue
+            if entry.is_dir():
+                (opt / entry.name).mkdir()
+            else:
+                (opt / entry.name).touch()
+            binds += ["--bind", str(entry), str(entry)]
+    return binds
+
+
+def _venv_base_binds() -> list[str]:
+    """A read-only bind of the venv's base interpreter when a host's private dirs would hide it.
+
+    `.venv/bin/python` is a symlink to the Python it was made from; from pyenv that lives under
+    /root/.pyenv, which each host's own /root would otherwise hide ("interpreter not found").
+    """
+    cfg = VENV_PYTHON.parent.parent / "pyvenv.cfg"
+    if not cfg.is_file():
+        return []
+    home = next((line.split("=", 1)[1].strip() for line in cfg.read_text().splitlines()
+                 if line.split("=", 1)[0].strip() == "home"), "")  # fmt: skip
+    if not home:
+        return []
+    prefix = Path(home).resolve().parent
+    hidden = any(prefix.is_relative_to(f"/{sub}") for sub in PRIVATE_DIRS)
+    return ["--ro-bind", str(prefix), str(prefix)] if hidden and prefix.is_dir() else []
+
+
+def _bwrap_argv(host: dict[str, Any], paths: dict[str, Path], opt_binds: list[str], info_fd: int) -> list[str]:
+    argv = [_tool("ip"), "netns", "exec", host["namespace"], _tool("bwrap"), "--bind", "/", "/"]
+    for sub in PRIVATE_DIRS:
+        argv += ["--bind", str(paths[sub]), f"/{sub}"]
+    argv += opt_binds
+    argv += _venv_base_binds()
+    argv += [
+        "--dev", "/dev",
+        "--proc", "/proc",
+        "--unshare-uts", "--hostname", host["name"],
+        # Own PID namespace: when its init dies every process of the host dies with it.
+        "--unshare-pid", "--unshare-ipc",
+        "--info-fd", str(info_fd),
+        "--chdir", "/root",
+        "--setenv", "HOME", "/root",
+        "--", _tool("sshd"), "-D", "-e", "-f", "/etc/ssh/sshd_config",
+    ]  # fmt: skip
+    return argv
+
+
+def _read_info(fd: int, timeout_s: float) -> dict[str, Any]:
+    """bwrap's --info-fd JSON: the global pid of the sandbox's init (pid 1 inside)."""
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+        with contextlib.suppress(ValueError):
+            info: dict[str, Any] = json.loads(data)
+            return info
+    raise TestbedError(f"bwrap reported no child pid within {timeout_s:.0f} s (got {data!r})")
+
+
+def _banner(address: str, timeout_s: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((address, SSH_PORT), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            return sock.recv(64).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+def _wait_for_sshd(state: dict[str, Any], popens: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
+    pending = {h["name"]: h for h in state["hosts"]}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for name, host in list(pending.items()):
+            if popens[name].poll() is not None:
+                log = Path(state["dir"], name, "sshd.log")
+                tail = log.read_text()[-1500:] if log.exists() else ""
+                raise TestbedError(f"host {name}: bwrap/sshd exited with {popens[name].returncode}:\n{tail}")
+            if _banner(host["address"]):
+                del pending[name]
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(f"{n} ({h['address']}:{SSH_PORT})" for n, h in pending.items())
+            raise TestbedError(f"sshd did not accept connections within {timeout_s:.0f} s on {names}")
+        if pending:
+            time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------------------------------
+# Inventory and ssh_config.
+
+
+def _control_path_dir(directory: Path, suffix: str) -> str:
+    """Where Ansible keeps its ssh ControlMaster sockets: per testbed, so a later testbed on the same
+    addresses never reuses a stale master of an earlier one; short enough for a unix socket path."""
+    inside = directory / "cp"
+    return str(inside) if len(str(inside)) <= 48 else f"/tmp/ugro-testbed-cp-{suffix}"
+
+
+def _write_inventory(state: dict[str, Any]) -> None:
+    directory = Path(state["dir"])
+    key = str(directory / "id_ed25519")
+    hosts = {
+        h["name"]: {
+            "ansible_host": h["address"],
+            "ansible_user": "root",
+            "ansible_ssh_private_key_file": key,
+            "ansible_ssh_common_args": SSH_OPTS,
+            "ansible_control_path_dir": state["control_path_dir"],
+            "ansible_python_interpreter": str(VENV_PYTHON),
+            "ugro_cluster_address": h["address"],
+            "ugro_code_dir": "/opt/ugro",
+            "ugro_python": str(VENV_PYTHON),
+            "testbed_interface": h["interface"],
+            "testbed_namespace": h["namespace"],
+        }
+        for h in state["hosts"]
+    }
+    inventory = {"all": {"children": {"ugro_cluster": {"hosts": hosts}}}}
+    header = (
+        "# Written by molecule/testbed.py: the testbed hosts (network namespaces + bubblewrap + sshd).\n"
+        "# group_vars/ links to the repository's inventory/group_vars, so the cluster defaults apply.\n"
+    )
+    (directory / "inventory.yml").write_text(header + "---\n" + yaml.safe_dump(inventory, sort_keys=False))
+    group_vars = directory / "group_vars"
+    if not group_vars.exists() and (REPO / "inventory" / "group_vars").is_dir():
+        group_vars.symlink_to(REPO / "inventory" / "group_vars")
+
+    blocks = [
+        f"Host {h['name']}\n"
+        f"  HostName {h['address']}\n"
+        "  User root\n"
+        f"  IdentityFile {key}\n"
+        "  IdentitiesOnly yes\n"
+        "  StrictHostKeyChecking no\n"
+        "  UserKnownHostsFile /dev/null\n"
+        "  LogLevel ERROR\n"
+        "  ControlMaster no\n"
+        for h in state["hosts"]
+    ]
+    (directory / "ssh_config").write_text("\n".join(blocks))
+
+
+# --------------------------------------------------------------------------------------------------
+# up / down.
+
+
+def up(
+    directory: str | Path = DEFAULT_DIR,
+    hosts: int = 3,
+    subnet: str = DEFAULT_SUBNET,
+    ifnames: Sequence[str] = DEFAULT_IFNAMES,
+    *,
+    install: bool = True,
+    timeout_s: float = 20.0,
+) -> Testbed:
+    """Bring up `hosts` testbed hosts tb1..tbN; on any failure undo everything and raise TestbedError."""
+    directory = Path(directory).resolve()
+    if os.geteuid() != 0:
+        raise TestbedError("the testbed needs root (network namespaces, bridges, bind mounts)")
+    if hosts < 1:
+        raise TestbedError(f"--hosts must be at least 1, not {hosts}")
+    ifnames = [name for name in ifnames if name]
+    if not ifnames or any(len(n) > 15 or n == "lo" or "/" in n or " " in n for n in ifnames):
+        raise TestbedError(f"bad interface names {ifnames!r}: 1 to 15 characters each, not lo")
+    try:
+        net = ipaddress.IPv4Network(subnet, strict=False)
+    except ValueError as exc:
+        raise TestbedError(f"bad subnet {subnet!r}: {exc}") from exc
+    if net.num_addresses < 10 + hosts + 2:
+        raise TestbedError(f"subnet {net} is too small for {hosts} hosts (addresses .{10 + 1}..)")
+    if _read_state(directory) is not None:
+        raise TestbedError(
+            f"a testbed already exists in {directory}: `python molecule/testbed.py down --dir {directory}`"
+        )
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise TestbedError(f"{directory} exists and is not an empty directory: `down` would remove it whole")
+    ensure_tools(install)
+    _check_subnet_free(net)
+
+    suffix = _suffix(directory)
+    host_list = [
+        {
+            "name": f"tb{i}",
+            "address": str(net.network_address + 10 + i),
+            "interface": ifnames[(i - 1) % len(ifnames)],
+            "namespace": f"ugro-tb{i}-{suffix}",
+            "veth": f"ugv{i}-{suffix}",
+        }
+        for i in range(1, hosts + 1)
+    ]
+    for host in host_list:
+        if _netns_exists(host["namespace"]) or _link_exists(host["veth"]):
+            raise TestbedError(
+                f"{host['namespace']} or {host['veth']} already exists: a testbed left over in {directory}?"
+            )
+
+    directory.mkdir(parents=True, exist_ok=True)
+    state: dict[str, Any] = {
+        "version": 1,
+        "dir": str(directory),
+        "suffix": suffix,
+        "subnet": str(net),
+        "bridge": f"ugbr-{suffix}",
+        "bridge_address": str(net.network_address + 1),
+        "control_path_dir": _control_path_dir(directory, suffix),
+        "hosts": host_list,
+        "namespaces": [],
+        "links": [],
+        "mounts": [],
+        "processes": [],
+        "complete": False,
+    }
+    _write_state(state)  # from here on `down` can undo whatever was made
+    try:
+        _bring_up(state, timeout_s)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            down(directory)
+        if isinstance(exc, TestbedError):
+            raise TestbedError(f"testbed up failed (everything made was removed): {exc}") from exc
+        if isinstance(exc, Exception):
+            raise TestbedError(f"testbed up failed (everything made was removed): {exc!r}") from exc
+        raise
+    return _testbed_from_state(state)
+
+
+def _bring_up(state: dict[str, Any], timeout_s: float) -> None:
+    directory = Path(state["dir"])
+    key = directory / "id_ed25519"
+    _run(_tool("ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-C", "ugro-testbed", "-f", str(key))
+    pubkey = (directory / "id_ed25519.pub").read_text()
+
+    ip = _tool("ip")
+    bridge = state["bridge"]
+    state["links"].append(bridge)
+    _write_state(state)
+    _run(ip, "link", "add", "name", bridge, "type", "bridge")
+    _run(ip, "addr", "add", f"{state['bridge_address']}/{ipaddress.IPv4Network(state['subnet']).prefixlen}",
+         "dev", bridge)  # fmt: skip
+    _run(ip, "link", "set", "dev", bridge, "up")
+
+    tmpfs = directory / "tmpfs"
+    tmpfs.mkdir(mode=0o700)
+    state["mounts"].append(str(tmpfs))
+    _write_state(state)
+    size_mib = max(64, 32 * len(state["hosts"]))  # a limit, not an allocation: ~4 MiB per host is used
+    _run("mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700", f"ugro-testbed-{state['suffix']}", str(tmpfs))
+
+    prefixlen = ipaddress.IPv4Network(state["subnet"]).prefixlen
+    opt_binds: dict[str, list[str]] = {}
+    for host in state["hosts"]:
+        ns, veth, ifname = host["namespace"], host["veth"], host["interface"]
+        state["namespaces"].append(ns)
+        state["links"].append(veth)
+        _write_state(state)
+        _run(ip, "netns", "add", ns)
+        # The namespace end is created inside the namespace under the host's interface name.
+        _run(ip, "link", "add", "name", veth, "type", "veth", "peer", "name", ifname, "netns", ns)
+        _run(ip, "link", "set", "dev", veth, "master", bridge, "up")
+        _run(ip, "-n", ns, "addr", "add", f"{host['address']}/{prefixlen}", "dev", ifname)
+        _run(ip, "-n", ns, "link", "set", "dev", ifname, "up")
+        _run(ip, "-n", ns, "link", "set", "dev", "lo", "up")
+        opt_binds[host["name"]] = _prepare_host_dirs(_host_paths(directory, host["name"]), host, state["hosts"], pubkey)
+
+    popens: dict[str, subprocess.Popen[bytes]] = {}
+    inits: dict[str, int] = {}
+    for host in state["hosts"]:
+        read_fd, write_fd = os.pipe()
+        try:
+            with open(directory / host["name"] / "sshd.log", "wb") as log:
+                popen = subprocess.Popen(
+                    _bwrap_argv(host, _host_paths(directory, host["name"]), opt_binds[host["name"]], write_fd),
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    pass_fds=(write_fd,), env=SANDBOX_ENV,
+                    start_new_session=True,  # outlives `make testbed-up` and its terminal
+                )  # fmt: skip
+            popens[host["name"]] = popen
+            # `ip netns exec` execs bwrap in place, so this pid is bwrap's own.
+            _record_process(state, popen.pid, "bwrap", host["name"])
+            os.close(write_fd)
+            write_fd = -1
+            info = _read_info(read_fd, timeout_s)
+        finally:
+            os.close(read_fd)
+            if write_fd >= 0:
+                os.close(write_fd)
+        inits[host["name"]] = int(info["child-pid"])
+        _record_process(state, inits[host["name"]], "init", host["name"])
+
+    _wait_for_sshd(state, popens, timeout_s)
+    for host in state["hosts"]:
+        for pid in _children(inits[host["name"]]):
+            _record_process(state, pid, "sshd", host["name"])
+
+    _write_inventory(state)
+    state["complete"] = True
+    _write_state(state)
+
+
+def down(directory: str | Path = DEFAULT_DIR) -> bool:
+    """Undo what `up` recorded in <directory>/state.json and remove the directory.
+
+    Safe to run twice and after a partial `up`. Returns False when there was no testbed there.
+    """
+    directory = Path(directory).resolve()
+    state = _read_state(directory)
+    if state is None:
+        return False
+    problems: list[str] = []
+
+    left = _stop_processes(state.get("processes", []))
+    problems += [f"process {p['pid']} ({p['role']} of {p['host']}) survived SIGKILL" for p in left]
+
+    ip = _tool("ip")
+    for ns in state.get("namespaces", []):
+        if _netns_exists(ns):
+            _run(ip, "netns", "delete", ns, check=False)
+    for link in reversed(state.get("links", [])):  # the veths, then the bridge
+        if _link_exists(link):
+            _run(ip, "link", "delete", "dev", link, check=False)
+    problems += [f"namespace {ns} remains" for ns in state.get("namespaces", []) if _netns_exists(ns)]
+    problems += [f"link {link} remains" for link in state.get("links", []) if _link_exists(link)]
+    for mount in reversed(state.get("mounts", [])):
+        if os.path.ismount(mount) and _run("umount", mount, check=False).returncode != 0:
+            _run("umount", "--lazy", mount, check=False)  # busy: detach it now, freed when unused
+    problems += [f"mount {mount} remains" for mount in state.get("mounts", []) if os.path.ismount(mount)]
+
+    _close_control_masters(Path(state.get("control_path_dir") or directory / "cp"))
+    if problems:
+        raise TestbedError(f"testbed down in {directory} left: " + "; ".join(problems))
+    cp_dir = Path(state.get("control_path_dir") or directory / "cp")
+    if cp_dir.is_dir() and not cp_dir.is_relative_to(directory):
+        shutil.rmtree(cp_dir, ignore_errors=True)
+    shutil.rmtree(directory)
+    return True
+
+
+def _close_control_masters(cp_dir: Path) -> None:
+    """Ask Ansible's ssh ControlMasters for the testbed's hosts to exit (`ssh -O exit`, no signals)."""
+    if not cp_dir.is_dir():
+        return
+    ssh = shutil.which("ssh")
+    for sock in cp_dir.iterdir():
+        if ssh and sock.is_socket():
+            with contextlib.suppress(subprocess.SubprocessError, OSError):
+                subprocess.run([ssh, "-o", f"ControlPath={sock}", "-O", "exit", "testbed"],
+                               capture_output=True, timeout=5, check=False)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line.
+
+
+def _iter_summary(bed: Testbed) -> Iterator[str]:
+    yield f"testbed up in {bed.dir}: bridge {bed.bridge} {bed.bridge_address}/{bed.subnet.split('/')[1]}"
+    for h in bed.hosts:
+        yield f"  {h.name:5} {h.address:15} {h.interface:8} netns {h.namespace}"
+    yield f"inventory: {bed.inventory}"
+    yield f"try:       ssh -F {bed.ssh_config} {bed.hosts[0].name} hostname"
+    yield f"           ansible -i {bed.inventory} ugro_cluster -m ansible.builtin.ping"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="testbed.py", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_up = sub.add_parser("up", help="bring the test hosts up")
+    p_up.add_argument("--hosts", type=int, default=3, help="number of hosts tb1..tbN (default 3)")
+    p_up.add_argument("--dir", default=DEFAULT_DIR, help=f"testbed directory (default {DEFAULT_DIR})")
+    p_up.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"private IPv4 subnet (default {DEFAULT_SUBNET})")
+    p_up.add_argument("--ifnames", default=",".join(DEFAULT_IFNAMES),
+                      help="interface names the hosts get, in rotation (default %(default)s)")  # fmt: skip
+    p_up.add_argument("--no-install", action="store_true", help="never apt-get install missing packages")
+    p_up.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for the sshds (default 20)")
+    p_down = sub.add_parser("down", help="stop the test hosts and remove everything up made")
+    p_down.add_argument("--dir", default=DEFAULT_DIR, help=f"testbed directory (default {DEFAULT_DIR})")
+    args = parser.parse_args(argv)
+
+    try:
+        if args.command == "up":
+            started = time.monotonic()
+            bed = up(args.dir, args.hosts, args.subnet, args.ifnames.split(","),
+                     install=not args.no_install, timeout_s=args.timeout)  # fmt: skip
+            for line in _iter_summary(bed):
+                print(line)
+            print(f"({time.monotonic() - started:.1f} s)")
+        else:
+            started = time.monotonic()
+            gone = down(args.dir)
+            print(f"testbed in {args.dir} removed ({time.monotonic() - started:.1f} s)" if gone
+                  else f"no testbed in {args.dir}")  # fmt: skip
+    except TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
