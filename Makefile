@@ -7,13 +7,16 @@ PY        := $(VENV)/bin/python
 JOB       ?= jobs/default.yaml
 INVENTORY ?= inventory/local.yml
 RESUME    ?= none
+JOB_ID    ?=
 PYTEST_ARGS ?=
 
-.PHONY: train validate test lint venv lock clean help testbed-up testbed-down
+.PHONY: train status logs stop validate test lint typecheck venv lock clean help testbed-up testbed-down
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
-	@echo "make test            the whole test suite (pytest + ansible-lint)"
+	@echo "make status|logs|stop [INVENTORY=...] [JOB_ID=...]   the newest job (runs/latest) by default"
+	@echo "make test            the whole test suite (ansible-lint, ruff, mypy, pytest)"
+	@echo "make testbed-up N=3 / make testbed-down   a test cluster of N hosts on this machine (root)"
 	@echo "make validate        check a job file without starting anything"
 	@echo "make lint            ansible-lint (production profile) and ruff"
 	@echo "make lock            regenerate requirements.lock from requirements.in"
@@ -29,14 +32,20 @@ venv: $(VENV)/.installed
 train: venv
 	$(PY) -m train.cli train --job $(JOB) --inventory $(INVENTORY) --resume $(RESUME)
 
+status logs stop: venv
+	$(PY) -m train.cli $@ --inventory $(INVENTORY) $(if $(JOB_ID),--job-id $(JOB_ID))
+
 validate: venv
 	$(PY) -m train.cli validate --job $(JOB)
 
 lint: venv
 	$(VENV)/bin/ansible-lint --profile production
-	$(VENV)/bin/ruff check train tests models
+	$(VENV)/bin/ruff check train tests models molecule data
 
-test: venv lint
+typecheck: venv
+	$(VENV)/bin/mypy
+
+test: venv lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
 # The test cluster on this machine (root): N hosts tb1..tbN, inventory in .testbed/inventory.yml.

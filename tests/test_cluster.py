@@ -30,21 +30,32 @@ def cluster(testbed: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     data = yaml.safe_load(Path(testbed.inventory).read_text())
     for host in data["all"]["children"]["ugro_cluster"]["hosts"].values():
         host["ugro_cpu_procs_per_node"] = 1
+        host["ugro_omp_num_threads"] = 1  # the three hosts share this machine's two cores
     path = Path(testbed.inventory).parent / "cluster.yml"
     path.write_text(yaml.safe_dump(data))
     return path
 
 
-@pytest.fixture(scope="module")
-def job_file() -> Iterator[Path]:
-    name = "cluster-test"
+def _job(name: str, steps: int) -> Iterator[Path]:
+    """A job file inside the repository (jobs are synced from there); its runs are removed afterwards."""
     path = REPO / "jobs" / f"{name}.yaml"
-    job = small_job(name=name, train={"max_steps": 30, "global_batch_size": 6}, checkpoint={"every": 5})
+    job = small_job(name=name, train={"max_steps": steps, "global_batch_size": 6}, checkpoint={"every": 10})
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     yield path
     path.unlink()
     for run in (REPO / "runs").glob(f"{name}-*"):
         shutil.rmtree(run)
+
+
+@pytest.fixture()
+def job_file() -> Iterator[Path]:
+    yield from _job("cluster-test", steps=30)
+
+
+@pytest.fixture()
+def long_job_file() -> Iterator[Path]:
+    """Long enough that `make stop` surely lands mid-run (a step takes ~0.1-0.3 s here)."""
+    yield from _job("cluster-stop-test", steps=150)
 
 
 def _cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
@@ -71,7 +82,7 @@ def _latest() -> str:
 
 
 def test_three_hosts_train_and_the_controller_gets_every_log(cluster: Path, job_file: Path, testbed: Any) -> None:
-    result = _cli("train", "--job", str(job_file), "--inventory", str(cluster), "--poll", "2")
+    result = _cli("train", "--job", str(job_file), "--inventory", str(cluster), "--poll", "3")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     run_dir = REPO / "runs" / _latest()
     rows = read_metrics(run_dir)  # fetched from the rendezvous host
@@ -89,22 +100,27 @@ def test_three_hosts_train_and_the_controller_gets_every_log(cluster: Path, job_
     assert not _job_processes(run_dir.name)
 
 
-def test_stop_mid_run_leaves_no_process_and_resume_continues(cluster: Path, job_file: Path) -> None:
+def test_stop_mid_run_leaves_no_process_and_resume_continues(cluster: Path, long_job_file: Path) -> None:
     follower = subprocess.Popen(
-        [PYTHON, "-m", "train.cli", "train", "--job", str(job_file), "--inventory", str(cluster), "--poll", "2"],
+        [PYTHON, "-m", "train.cli", "train", "--job", str(long_job_file), "--inventory", str(cluster), "--poll", "3"],
         cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240
         while True:
             assert follower.poll() is None, follower.stdout.read() if follower.stdout else ""
-            assert time.monotonic() < deadline, "the job never reached its second checkpoint"
+            assert time.monotonic() < deadline, "the job never reached step 11 while running"
             status = _cli("status", "--inventory", str(cluster), timeout=120)
-            if "running" in status.stdout and any(f"{s}/30" in status.stdout for s in range(11, 25)):
+            if "running" in status.stdout and any(f"{s}/150" in status.stdout for s in range(11, 100)):
                 break
             time.sleep(2)
         job_id = _latest()
         assert len(_job_processes(job_id)) >= 6  # 3 launch scripts + 3 torchruns, + workers
+
+        second = _cli("train", "--job", str(long_job_file), "--inventory", str(cluster), timeout=200)
+        assert second.returncode == 1
+        for host in ("tb1", "tb2", "tb3"):
+            assert f"{host} already runs job {job_id}" in " ".join(second.stderr.split()), second.stderr
 
         stopped = _cli("stop", "--inventory", str(cluster), timeout=200)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
@@ -116,11 +132,11 @@ def test_stop_mid_run_leaves_no_process_and_resume_continues(cluster: Path, job_
     status = _cli("status", "--inventory", str(cluster), timeout=120)
     assert status.stdout.count("stopped") == 3, status.stdout
 
-    resumed = _cli("train", "--job", str(job_file), "--inventory", str(cluster), "--resume", "auto", "--poll", "2")
+    resumed = _cli("train", "--job", str(long_job_file), "--inventory", str(cluster), "--resume", "auto", "--poll", "3")
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     assert _latest() == job_id
     main_log = (REPO / "runs" / job_id / "logs" / "tb1-rank0.log").read_text()
     resumed = re.search(r"resumed from \S+/checkpoints/step-0*(\d+) at step (\d+)", main_log)
     assert resumed is not None, main_log[-2000:]
-    assert resumed[1] == resumed[2] and 10 <= int(resumed[2]) < 30
-    assert read_metrics(REPO / "runs" / job_id)[-1]["step"] == 30
+    assert resumed[1] == resumed[2] and 10 <= int(resumed[2]) < 150
+    assert read_metrics(REPO / "runs" / job_id)[-1]["step"] == 150
