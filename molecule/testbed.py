@@ -440,12 +440,23 @@ def _venv_base_binds() -> list[str]:
     return ["--ro-bind", str(prefix), str(prefix)] if hidden and prefix.is_dir() else []
 
 
+def _repo_binds() -> list[str]:
+    """The repository itself (its .venv is every host's Python) when a host's private dirs would hide it.
+
+    CI clones into a temporary directory: a checkout under /tmp or /root is invisible inside a host
+    whose /tmp and /root are its own, unless it is bound back in, read-only.
+    """
+    hidden = any(REPO.is_relative_to(f"/{sub}") for sub in PRIVATE_DIRS)
+    return ["--ro-bind", str(REPO), str(REPO)] if hidden else []
+
+
 def _bwrap_argv(host: dict[str, Any], paths: dict[str, Path], opt_binds: list[str], info_fd: int) -> list[str]:
     argv = [_tool("ip"), "netns", "exec", host["namespace"], _tool("bwrap"), "--bind", "/", "/"]
     for sub in PRIVATE_DIRS:
         argv += ["--bind", str(paths[sub]), f"/{sub}"]
     argv += opt_binds
     argv += _venv_base_binds()
+    argv += _repo_binds()
     argv += [
         "--dev", "/dev",
         "--proc", "/proc",

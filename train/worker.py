@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     host = os.environ.get("UGRO_HOST") or os.uname().nodename
     _setup_logging(run_dir, host, rank)
     _record_pid(run_dir, host, rank)
+    info: distributed.RankInfo | None = None
     try:
         job, problem = _load(args, host)
         info = distributed.init(job.distributed.timeout_s if job else DistributedConfig().timeout_s)
@@ -83,12 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
-        if rank == 0:
+        if info.is_main if info else rank == 0:
             write_status(run_dir, state="failed", error=str(exc))
         return 2
     except loop.NonFiniteError as exc:
         log.error("stopped: non-finite values: %s", exc)
-        if rank == 0:
+        if info.is_main if info else rank == 0:
             write_status(run_dir, state="failed", error=f"non-finite: {exc}")
         return 3
     finally:
