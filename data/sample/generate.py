@@ -366,7 +366,7 @@ FACTS: list[Fact] = [
     ),
     Fact(
         "A",
-        "running pkill -f torchrun on every box to stop a job",
+        "running pkill --full torchrun on every box to stop a job",
         "No: it also kills unrelated jobs and anything whose command line mentions torchrun. Stop the job's "
         "own process group, recorded at launch, on each host.",
     ),
@@ -1270,7 +1270,7 @@ EXAMPLES: list[Example] = [
     ),
     Example(
         "Our stop script does this on each host. Is it OK?",
-        "ssh $host pkill -f torchrun",
+        "ssh $host pkill --full torchrun",
         "No: it kills every process whose command line mentions torchrun, including other jobs. Record the "
         "job's process group at launch and signal only that group.",
     ),
