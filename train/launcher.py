@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @dataclass
 class PlaybookRun:
-    """A playbook running in a thread; ``failures`` maps host -> message once hosts fail."""
+    """A playbook run: which hosts took part, what failed where (host -> message), the facts the play set."""
 
     thread: threading.Thread | None = None
     runner: Any = None
@@ -22,18 +22,10 @@ class PlaybookRun:
     tasks: list[str] = field(default_factory=list)
     facts: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> facts the play set
     hosts: list[str] = field(default_factory=list)
-    cancelled: bool = False
 
-    @property
-    def running(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self) -> None:
         if self.thread is not None:
-            self.thread.join(timeout)
+            self.thread.join()
 
     @property
     def ok(self) -> bool:
@@ -93,7 +85,6 @@ def start_playbook(
         quiet=True,
         rotate_artifacts=3,
         event_handler=on_event,
-        cancel_callback=lambda: run.cancelled,
     )
     return run
 

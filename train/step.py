@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -22,13 +21,6 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from train.data import IGNORE
-
-
-@dataclass(frozen=True)
-class StepResult:
-    loss: float  # mean token loss over the global batch
-    tokens: int  # label tokens in the global batch
-    grad_norm: float  # before clipping
 
 
 def label_tokens(batch: dict[str, torch.Tensor]) -> int:
