@@ -28,6 +28,7 @@ err = Console(stderr=True)
 
 JobOpt = Annotated[Path, typer.Option("--job", help="job file (YAML)")]
 InventoryOpt = Annotated[Path, typer.Option("--inventory", "-i", help="Ansible inventory of the cluster")]
+JobIdOpt = Annotated[str | None, typer.Option(help="job id (default: runs/latest)")]
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
@@ -180,7 +181,7 @@ def train(
 @app.command()
 def status(
     inventory: InventoryOpt = Path("inventory/local.yml"),
-    job_id: Annotated[str | None, typer.Option(help="job id (default: runs/latest)")] = None,
+    job_id: JobIdOpt = None,
 ) -> None:
     """Per host: running / finished / failed / stopped, step, last loss, process ids."""
     job_id = _job_id(job_id)
@@ -205,7 +206,7 @@ def status(
 @app.command()
 def stop(
     inventory: InventoryOpt = Path("inventory/local.yml"),
-    job_id: Annotated[str | None, typer.Option(help="job id (default: runs/latest)")] = None,
+    job_id: JobIdOpt = None,
 ) -> None:
     """Stop the job's own processes on every host (recorded process group and pids) and confirm."""
     job_id = _job_id(job_id)
@@ -218,7 +219,7 @@ def stop(
 @app.command()
 def logs(
     inventory: InventoryOpt = Path("inventory/local.yml"),
-    job_id: Annotated[str | None, typer.Option(help="job id (default: runs/latest)")] = None,
+    job_id: JobIdOpt = None,
 ) -> None:
     """Collect every host's logs (and the main host's results) into runs/<job-id>/."""
     job_id = _job_id(job_id)

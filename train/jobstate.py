@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from train.metrics import STATUS, read_metrics
+from train.metrics import STATUS, last_metrics
 
 STOPPED_MARK = "stopped"
 
@@ -76,9 +76,8 @@ def status(run_dir: Path, host: str, main: bool) -> dict[str, Any]:
         state = "lost"  # no process and no exit code: killed with SIGKILL or the host rebooted
     result |= {"state": state, "exit_code": exit_code, "pids": pids}
     if main:
-        rows = read_metrics(run_dir)
-        if rows:
-            last = rows[-1]
+        last = last_metrics(run_dir)
+        if last is not None:
             result |= {k: last[k] for k in ("step", "total_steps", "loss", "tokens_per_s", "eta_s")}
         if (run_dir / STATUS).is_file():
             run = json.loads((run_dir / STATUS).read_text())
