@@ -16,11 +16,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from train import codesync
+from train import codesync, doctor
+from train import preflight as preflight_run
 from train.config import ConfigError, JobConfig, load_job
 from train.follow import follow, local_source, remote_source
 from train.launcher import REPO, PlaybookRun, run_playbook
 from train.metrics import read_metrics
+from train.preflight_checks import Thresholds
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ugro: LoRA fine-tuning across the GPUs of a LAN.")
 console = Console()
@@ -29,6 +31,8 @@ err = Console(stderr=True)
 JobOpt = Annotated[Path, typer.Option("--job", help="job file (YAML)")]
 InventoryOpt = Annotated[Path, typer.Option("--inventory", "-i", help="Ansible inventory of the cluster")]
 JobIdOpt = Annotated[str | None, typer.Option(help="job id (default: runs/latest)")]
+MinFreeOpt = Annotated[float, typer.Option(envvar="MIN_FREE_GB", help="GiB free needed on the rendezvous host")]
+BusbwOpt = Annotated[float, typer.Option(envvar="BUSBW_FLOOR", help="all-reduce busbw floor, GB/s (WARN below)")]
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
@@ -127,6 +131,9 @@ def train(
         str, typer.Option(help="'auto' continues the newest run of this job from its last checkpoint")
     ] = "none",
     poll: Annotated[float, typer.Option(help="seconds between status polls of a remote cluster")] = 5.0,
+    skip_preflight: Annotated[
+        bool, typer.Option("--skip-preflight", envvar="SKIP_PREFLIGHT", help="launch even when a fast check FAILs")
+    ] = False,
 ) -> None:
     """Sync the code, launch the job on every host of the inventory, and follow it to the end."""
     if resume not in ("none", "auto"):
@@ -134,6 +141,8 @@ def train(
     job = _load(job_file)
     if not inventory.is_file():
         raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
+    if not skip_preflight:
+        _fast_preflight(inventory)
     runs = REPO / "runs"
     job_id = _pick_run(job, resume, runs)
     run_dir = runs / job_id
@@ -176,6 +185,72 @@ def train(
             err.print(f"[bold red]cause:[/] {cause}", highlight=False)
         raise _fail(f"the run did not finish; logs are in {run_dir / 'logs'}", code=1)
     _summary(run_dir)
+
+
+def _preflight(inventory: Path, thresholds: Thresholds, job_file: str | None, heavy: bool) -> preflight_run.Outcome:
+    if not inventory.is_file():
+        raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
+    try:
+        return preflight_run.preflight(inventory, REPO / "runs" / ".control" / "preflight", thresholds, job_file, heavy)
+    except preflight_run.PreflightError as exc:
+        raise _fail(f"preflight could not run on {inventory}: {exc}") from None
+
+
+def _fast_preflight(inventory: Path) -> None:
+    """The fast checks before a launch: refuse on a FAIL, show WARNs, stay quiet when all pass."""
+    outcome = _preflight(inventory, Thresholds(), None, heavy=False)
+    report = outcome.report
+    line = f"preflight: {preflight_run.summary(report)} in {outcome.seconds['fast']:.1f} s"
+    if report.failed():
+        preflight_run.render(report, err, "preflight (fast checks)")
+        raise _fail(f"{line}; not launching. Fix the FAILs, or launch anyway with --skip-preflight "
+                    "(make train SKIP_PREFLIGHT=1)", code=1)  # fmt: skip
+    console.print(f"[dim]{line}[/]", highlight=False)
+    for name, host, cell in report.problems():
+        if name != "gpu":  # a CPU host is not news on every launch
+            console.print(f"[yellow]WARN[/] {name} @ {host}: {cell.cause}", highlight=False)
+
+
+@app.command(name="preflight")
+def preflight_cmd(
+    job_file: JobOpt = Path("jobs/default.yaml"),
+    inventory: InventoryOpt = Path("inventory/local.yml"),
+    fast: Annotated[bool, typer.Option("--fast", help="only the fast checks (what make train runs)")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+    min_free_gb: MinFreeOpt = 2.0,
+    busbw_floor: BusbwOpt = 0.05,
+) -> None:
+    """Check every host before a launch: versions, names, ports, interfaces, all-reduce, memory."""
+    _load(job_file)
+    thresholds = Thresholds(min_free_gb=min_free_gb, busbw_floor_gbps=busbw_floor)
+    outcome = _preflight(inventory, thresholds, _relative_to_repo(job_file), heavy=not fast)
+    if as_json:
+        print(outcome.report.to_json())
+    else:
+        timing = ", ".join(f"{k} {v:.1f} s" for k, v in outcome.seconds.items())
+        preflight_run.render(outcome.report, console, f"preflight of {inventory} ({timing})")
+        console.print(preflight_run.summary(outcome.report))
+    if outcome.report.failed():
+        raise typer.Exit(1)
+
+
+@app.command(name="doctor")
+def doctor_cmd(
+    job_id: JobIdOpt = None,
+    run_dir: Annotated[Path | None, typer.Option(help="a run directory (default: runs/<job-id>)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the findings as JSON")] = False,
+) -> None:
+    """Explain a run's failure from its collected logs: host, cause and fix for each known failure."""
+    directory = run_dir if run_dir is not None else REPO / "runs" / _job_id(job_id)
+    if not directory.is_dir():
+        raise _fail(f"{directory}: no such run directory (see runs/, or `make logs` to collect one)")
+    findings = doctor.diagnose(directory)
+    if as_json:
+        print(doctor.to_json(directory, findings))
+    else:
+        doctor.render(directory, findings, console)
+    if findings:
+        raise typer.Exit(1)
 
 
 @app.command()

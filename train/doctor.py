@@ -31,39 +31,66 @@ def _k(key: str, pattern: str, cause: str, fix: str) -> Known:
 
 # Most specific first: the first match of a line wins.
 KNOWN = (
-    _k("driver-mismatch", r"Driver/library version mismatch",
-       "the NVIDIA kernel module and its user-space libraries differ (the driver was upgraded, the host not rebooted)",
-       "reboot the host; hold the driver (apt-mark hold) and keep it out of unattended-upgrades (make provision)"),
-    _k("sm120", r"sm_\d+ is not compatible with the current PyTorch installation|no kernel image is available",
-       "this PyTorch build has no kernels for the GPU (RTX 50-series is sm_120)",
-       "install PyTorch wheels built for CUDA >= 12.8 (cu128) on that host; driver branch >= 570 with open modules"),
-    _k("cuda-oom", r"CUDA out of memory|torch\.OutOfMemoryError|OutOfMemoryError: CUDA",
-       "a rank ran out of GPU memory",
-       "lower rank_local.micro_batch_size in that host's /etc/ugro/profile.yaml or set "
-       "rank_local.gradient_checkpointing: true; make preflight measures the fit"),
-    _k("nccl-cuda", r"unhandled cuda error",
-       "NCCL hit a CUDA error (often an OOM inside NCCL, a driver fault, or mismatched driver/CUDA across hosts)",
-       "rerun with NCCL_DEBUG=INFO to see the call; make preflight checks that drivers and torch CUDA match"),
-    _k("nan", r"non-finite|\bloss[=: ]+(nan|inf)\b|\bloss is nan\b",
-       "the loss or gradient went NaN/Inf; the run stopped before the bad update",
-       "lower optim.lr, raise schedule.warmup_steps or lower optim.grad_clip, then `make train RESUME=auto`"),
-    _k("ddp-ready-twice", r"mark a variable ready only once|marked as ready twice",
-       "DDP saw a parameter's gradient twice in one backward (reentrant checkpointing or a module used twice)",
-       "use non-reentrant gradient checkpointing (use_reentrant=False) and find_unused_parameters=False"),
-    _k("name-resolution", r"Name or service not known|Temporary failure in name resolution|"
-       r"nodename nor servname|getaddrinfo\b.*fail|failed to resolve|No address associated with hostname",
-       "a host could not resolve another host's name",
-       "put every host's cluster address and name in /etc/hosts on every node; make preflight checks it"),
-    _k("connect", r"connect\(\) failed|Connection refused|Connection timed out|RendezvousTimeoutError|"
-       r"RendezvousConnectionError|rendezvous.*tim(ed|e) ?out|client socket has timed out|"
-       r"Socket Timeout|Timed out (after|waiting).*(connect|store|peer)",
-       "a host could not connect to the rendezvous (TCPStore) or to a peer",
-       "allow tcp 29500 and the ephemeral range 32768-60999 from the cluster subnet on every host; "
-       "check NCCL/GLOO_SOCKET_IFNAME; make preflight tests both"),
-    _k("never-joined", r"store_based_barrier.*worker_count|Timed out initializing process group|"
-       r"waiting for .* ranks? to join|num_workers_joined",
-       "a rank never joined the process group",
-       "find the host without a rank log below; check that it started (torchrun.log) and reaches the rendezvous"),
+    _k(
+        "driver-mismatch",
+        r"Driver/library version mismatch",
+        "the NVIDIA kernel module and its user-space libraries differ (the driver was upgraded, the host not rebooted)",
+        "reboot the host; hold the driver (apt-mark hold) and keep it out of unattended-upgrades (make provision)",
+    ),
+    _k(
+        "sm120",
+        r"sm_\d+ is not compatible with the current PyTorch installation|no kernel image is available",
+        "this PyTorch build has no kernels for the GPU (RTX 50-series is sm_120)",
+        "install PyTorch wheels built for CUDA >= 12.8 (cu128) on that host; driver branch >= 570 with open modules",
+    ),
+    _k(
+        "cuda-oom",
+        r"CUDA out of memory|torch\.OutOfMemoryError|OutOfMemoryError: CUDA",
+        "a rank ran out of GPU memory",
+        "lower rank_local.micro_batch_size in that host's /etc/ugro/profile.yaml or set "
+        "rank_local.gradient_checkpointing: true; make preflight measures the fit",
+    ),
+    _k(
+        "nccl-cuda",
+        r"unhandled cuda error",
+        "NCCL hit a CUDA error (often an OOM inside NCCL, a driver fault, or mismatched driver/CUDA across hosts)",
+        "rerun with NCCL_DEBUG=INFO to see the call; make preflight checks that drivers and torch CUDA match",
+    ),
+    _k(
+        "nan",
+        r"non-finite|\bloss[=: ]+(nan|inf)\b|\bloss is nan\b",
+        "the loss or gradient went NaN/Inf; the run stopped before the bad update",
+        "lower optim.lr, raise schedule.warmup_steps or lower optim.grad_clip, then `make train RESUME=auto`",
+    ),
+    _k(
+        "ddp-ready-twice",
+        r"mark a variable ready only once|marked as ready twice",
+        "DDP saw a parameter's gradient twice in one backward (reentrant checkpointing or a module used twice)",
+        "use non-reentrant gradient checkpointing (use_reentrant=False) and find_unused_parameters=False",
+    ),
+    _k(
+        "name-resolution",
+        r"Name or service not known|Temporary failure in name resolution|"
+        r"nodename nor servname|getaddrinfo\b.*fail|failed to resolve|No address associated with hostname",
+        "a host could not resolve another host's name",
+        "put every host's cluster address and name in /etc/hosts on every node; make preflight checks it",
+    ),
+    _k(
+        "connect",
+        r"connect\(\) failed|Connection refused|Connection timed out|RendezvousTimeoutError|"
+        r"RendezvousConnectionError|rendezvous.*tim(ed|e) ?out|client socket has timed out|"
+        r"Socket Timeout|Timed out (after|waiting).*(connect|store|peer)",
+        "a host could not connect to the rendezvous (TCPStore) or to a peer",
+        "allow tcp 29500 and the ephemeral range 32768-60999 from the cluster subnet on every host; "
+        "check NCCL/GLOO_SOCKET_IFNAME; make preflight tests both",
+    ),
+    _k(
+        "never-joined",
+        r"store_based_barrier.*worker_count|Timed out initializing process group|"
+        r"waiting for .* ranks? to join|num_workers_joined",
+        "a rank never joined the process group",
+        "find the host without a rank log below; check that it started (torchrun.log) and reaches the rendezvous",
+    ),
 )
 
 
@@ -109,16 +136,24 @@ def diagnose(run_dir: Path) -> list[Finding]:
                     if (host, known.key) not in seen:
                         seen.add((host, known.key))
                         rel = path.relative_to(run_dir)
-                        findings.append(Finding(host, known.key, known.cause, known.fix,
-                                                f"{rel}:{number}: {line.strip()[:200]}"))  # fmt: skip
+                        findings.append(
+                            Finding(host, known.key, known.cause, known.fix, f"{rel}:{number}: {line.strip()[:200]}")
+                        )
                     break
     hosts = {_host_of(f) for f in files} | {p.name for p in (run_dir / "hosts").glob("*") if p.is_dir()}
     ranked = {_host_of(f) for f in files if re.search(r"-rank\d+$", f.stem)}
     if ranked:  # some rank started: a host with none never joined
         for host in sorted(hosts - ranked):
-            findings.append(Finding(host, "never-joined", f"no rank on {host} ever started: it never joined the job",
-                                    f"read {host}'s torchrun.log; check its Python, code sync and that it reaches "
-                                    "the rendezvous host (make preflight)", f"logs/{host}-rank*.log missing"))  # fmt: skip
+            findings.append(
+                Finding(
+                    host,
+                    "never-joined",
+                    f"no rank on {host} ever started: it never joined the job",
+                    f"read {host}'s torchrun.log; check its Python, code sync and that it reaches "
+                    "the rendezvous host (make preflight)",
+                    f"logs/{host}-rank*.log missing",
+                )
+            )
     status = run_dir / "run.json"
     if not findings and status.is_file():
         try:

@@ -1,0 +1,300 @@
+"""`make preflight`: every planted cross-host problem is a FAIL on the right host with the right fix.
+
+Unit tests judge synthetic reports; the cluster tests run the real playbook over SSH against the
+session's 3-host test cluster: once clean (fast + heavy: all-reduce and memory probe), once with five
+failures planted for real at the same time (each on its own row, so one run checks them all).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import PYTHON, REPO, run_env, small_job
+
+from train import codesync, probe
+from train.allreduce import bus_bandwidth
+from train.preflight_checks import Cell, Report, Thresholds, _ifname_matches, _memory_cell, judge_fast
+
+
+def _cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PYTHON, "-m", "train.cli", *args], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _cells(report: dict[str, Any], row: str) -> dict[str, dict[str, str]]:
+    return next(c["cells"] for c in report["checks"] if c["name"] == row)
+
+
+# ---------------------------------------------------------------------------------------------- unit
+
+
+def test_probe_hashes_what_codesync_ships() -> None:
+    assert probe.SYNCED == codesync.SYNCED and probe.MANIFEST == codesync.MANIFEST
+    assert probe._code_hash(REPO)["hash"] == codesync.tree_hash(REPO, codesync.code_files(REPO))
+
+
+def test_busbw_is_nccl_tests_definition() -> None:
+    algbw, busbw = bus_bandwidth(1_000_000, 0.01, 3)
+    assert algbw == pytest.approx(1e8) and busbw == pytest.approx(1e8 * 4 / 3)
+    assert bus_bandwidth(1000, 1.0, 1)[1] == 0.0
+
+
+def test_ifname_semantics_follow_nccl() -> None:
+    assert _ifname_matches("eth", "eth0") and _ifname_matches("=eth0", "eth0") and not _ifname_matches("=eth", "eth0")
+    assert _ifname_matches("eno1,enp5s0", "enp5s0") and _ifname_matches("^docker", "eth0") is None
+
+
+def _facts(torch: str) -> dict[str, Any]:
+    return {
+        "versions": {
+            "python": "3.12.3",
+            "torch": torch,
+            "cuda runtime": "12.8",
+            "nccl": "2.27.3",
+            "transformers": "5.23.0",
+            "peft": "0.21.2",
+            "unsloth": None,
+        },
+        "gpu": {"gpus": [{"name": "RTX 4070", "memory_mib": 8188.0}], "driver": "570.153", "smi": "ok"},
+        "code": {"hash": "h" * 64},
+        "disk": {"free_bytes": 50 << 30},
+        "resolve": {},
+        "interfaces": {"eno1": ["10.0.0.1"]},
+        "env_file": {"exists": False},
+    }
+
+
+def test_the_odd_version_out_fails_on_its_host_and_names_the_fix() -> None:
+    reports = {h: {"facts": _facts("2.9.0" if h == "c" else "2.13.0"), "connect": [], "listen": {}} for h in "abc"}
+    report = judge_fast(
+        reports,
+        {},
+        ["a", "b", "c"],
+        "a",
+        {"a": "10.0.0.1", "b": "10.0.0.1", "c": "10.0.0.1"},
+        29500,
+        "h" * 64,
+        {},
+        Thresholds(),
+    )
+    torch = report.row("torch").cells
+    assert torch["a"].status == torch["b"].status == "PASS" and torch["c"].status == "FAIL"
+    assert "2.13.0" in torch["c"].fix and "c" in torch["c"].fix
+    assert report.row("driver").cells["b"].status == "PASS"
+
+
+def test_memory_that_does_not_fit_names_the_knob() -> None:
+    oom = {
+        "micro_batch_size": 8,
+        "gradient_checkpointing": False,
+        "oom": "CUDA out of memory",
+        "profile": "/etc/ugro/profile.yaml",
+    }
+    cell = _memory_cell("node3070", oom, 0, "", Thresholds(), "jobs/x.yaml")
+    assert (
+        cell.status == "FAIL"
+        and "rank_local.micro_batch_size (now 8)" in cell.fix
+        and "/etc/ugro/profile.yaml" in cell.fix
+    )
+    tight = {"micro_batch_size": 4, "peak_bytes": 7.9e9, "total_bytes": 8e9}
+    assert _memory_cell("n", tight, 0, "", Thresholds(), "j").status == "WARN"
+    assert Report(["a"], "a").failed() is False and Cell("PASS").cause == ""
+
+
+# ------------------------------------------------------------------------------------- this machine
+
+
+def test_local_fast_preflight_passes_in_seconds() -> None:
+    started = time.monotonic()
+    result = _cli("preflight", "--fast", "--json", timeout=120)
+    took = time.monotonic() - started
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    bad = [(c["name"], x["status"]) for c in report["checks"] for x in c["cells"].values() if x["status"] != "PASS"]
+    assert bad in ([], [("gpu", "WARN")]), bad  # no GPU here: a documented WARN
+    assert took < 20, took
+
+
+def test_bad_inventory_is_one_clear_error(tmp_path: Path) -> None:
+    missing = _cli("preflight", "--inventory", str(tmp_path / "nope.yml"), timeout=60)
+    assert missing.returncode == 2 and "inventory not found" in missing.stderr and "Traceback" not in missing.stderr
+
+
+# ---------------------------------------------------------------------------------------- test cluster
+
+
+@pytest.fixture(scope="module")
+def clean_inventory(testbed: Any) -> Path:
+    data = yaml.safe_load(Path(testbed.inventory).read_text())
+    for host in data["all"]["children"]["ugro_cluster"]["hosts"].values():
+        host["ugro_cpu_procs_per_node"] = 1
+    path = Path(testbed.inventory).parent / "preflight.yml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture()
+def short_job() -> Iterator[Path]:
+    """A job inside the repository (the heavy phase syncs it) with the tests' short sequences."""
+    path = REPO / "jobs" / "preflight-test.yaml"
+    path.write_text(yaml.safe_dump(small_job(name="preflight-test"), sort_keys=False))
+    yield path
+    path.unlink()
+
+
+@pytest.mark.slow
+def test_clean_cluster_passes_with_allreduce_and_memory(clean_inventory: Path, short_job: Path) -> None:
+    started = time.monotonic()
+    result = _cli("preflight", "--inventory", str(clean_inventory), "--job", str(short_job), "--json")
+    print(f"preflight (fast + heavy) on 3 hosts: {time.monotonic() - started:.1f} s")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    for check in report["checks"]:
+        for host, cell in check["cells"].items():
+            assert cell["status"] == "PASS" or (check["name"] == "gpu" and cell["status"] == "WARN"), (
+                check["name"],
+                host,
+                cell,
+            )
+    for host in ("tb1", "tb2", "tb3"):
+        measured = report["measurements"][host]
+        assert measured["allreduce"]["world"] == 3 and measured["allreduce"]["busbw_Bps"] > 0
+        assert measured["memory"]["steps"] == 5 and measured["memory"]["peak_bytes"] > 0
+    print(
+        "preflight measurements:",
+        json.dumps(
+            {
+                h: {
+                    "latency_ms": m["allreduce"]["latency_s"] * 1e3,
+                    "busbw_GBps": m["allreduce"]["busbw_Bps"] / 1e9,
+                    "peak_GiB": m["memory"]["peak_bytes"] / 2**30,
+                }
+                for h, m in report["measurements"].items()
+            }
+        ),
+    )
+
+
+def _init_pid(testbed: Any, host: str) -> int:
+    state = json.loads((Path(testbed.dir) / "state.json").read_text())
+    return next(p["pid"] for p in state["processes"] if p["role"] == "init" and p["host"] == host)
+
+
+def _nft() -> str | None:
+    if shutil.which("nft") is None:
+        subprocess.run(["apt-get", "install", "-y", "-qq", "nftables"], capture_output=True, check=False, timeout=300)
+    return shutil.which("nft")
+
+
+@pytest.fixture()
+def planted(testbed: Any, clean_inventory: Path) -> Iterator[Path]:
+    """Five real failures: tb1 (rendezvous host) drops tcp 29500 and has 1 MiB free under /opt/ugro/runs;
+    tb2's env file names eth0 (its interface is enp5s0) and its /etc/hosts lacks tb3; tb3's Python
+    reports torch 2.99.0. Everything is undone afterwards."""
+    nft = _nft()
+    if nft is None:
+        pytest.skip("nft is not installed and could not be")
+    bed = Path(testbed.dir)
+    tb1 = testbed.host("tb1")
+    undo: list[list[str]] = []
+    hosts_file = bed / "tmpfs" / "tb2" / "etc" / "hosts"
+    original_hosts = hosts_file.read_text()
+    env_dir = bed / "tmpfs" / "tb2" / "etc" / "ugro"
+    fake = bed / "tb3" / "opt" / "fake-torch-env"
+    runs = bed / "tb1" / "opt" / "ugro" / "runs"
+    try:
+        subprocess.run(
+            ["ip", "netns", "exec", tb1.namespace, nft, "-f", "-"],
+            check=True,
+            text=True,
+            input=(
+                "table inet ugro_preflight_test {\n chain input {\n  type filter hook input priority 0;\n"
+                "  tcp dport 29500 drop\n }\n}\n"
+            ),
+        )
+        undo.append(["ip", "netns", "exec", tb1.namespace, nft, "delete", "table", "inet", "ugro_preflight_test"])
+        runs.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [
+                "nsenter",
+                "-t",
+                str(_init_pid(testbed, "tb1")),
+                "-m",
+                "--",
+                "mount",
+                "-t",
+                "tmpfs",
+                "-o",
+                "size=1m",
+                "ugro-full",
+                "/opt/ugro/runs",
+            ],
+            check=True,
+        )
+        undo.append(["nsenter", "-t", str(_init_pid(testbed, "tb1")), "-m", "--", "umount", "/opt/ugro/runs"])
+        env_dir.mkdir(exist_ok=True)
+        (env_dir / "nccl.env").write_text("NCCL_SOCKET_IFNAME=eth0\nGLOO_SOCKET_IFNAME=eth0\n")
+        hosts_file.write_text(
+            "".join(line + "\n" for line in original_hosts.splitlines() if not line.endswith("\ttb3"))
+        )
+        # tb3's job Python: a venv whose torch distribution says 2.99.0, the real packages behind it.
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(fake)], check=True)
+        site = next(fake.glob("lib/python3*/site-packages"))
+        (site / "real.pth").write_text(str(next((REPO / ".venv").glob("lib/python3*/site-packages"))) + "\n")
+        (site / "torch-2.99.0.dist-info").mkdir()
+        (site / "torch-2.99.0.dist-info" / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: torch\nVersion: 2.99.0\n"
+        )
+        data = yaml.safe_load(clean_inventory.read_text())
+        data["all"]["children"]["ugro_cluster"]["hosts"]["tb3"]["ugro_python"] = "/opt/fake-torch-env/bin/python"
+        path = clean_inventory.parent / "preflight-planted.yml"
+        path.write_text(yaml.safe_dump(data))
+        yield path
+    finally:
+        for cmd in reversed(undo):
+            subprocess.run(cmd, check=False)
+        hosts_file.write_text(original_hosts)
+        shutil.rmtree(env_dir, ignore_errors=True)
+        shutil.rmtree(fake, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_planted_failures_fail_on_the_right_host_with_the_fix(planted: Path) -> None:
+    result = _cli("preflight", "--fast", "--json", "--inventory", str(planted))
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+
+    def status(row: str) -> dict[str, str]:
+        return {h: c["status"] for h, c in _cells(report, row).items()}
+
+    rdzv = _cells(report, "rendezvous port")["tb1"]
+    assert rdzv["status"] == "FAIL" and "tcp 29500" in rdzv["fix"] and "tb1" in rdzv["fix"], rdzv
+    assert "tb2" in rdzv["cause"] and "timed out" in rdzv["cause"], rdzv
+    disk = _cells(report, "disk")
+    assert status("disk") == {"tb1": "FAIL", "tb2": "PASS", "tb3": "PASS"}, disk
+    assert "/opt/ugro/runs" in disk["tb1"]["cause"]
+    iface = _cells(report, "interface")
+    assert status("interface") == {"tb1": "PASS", "tb2": "FAIL", "tb3": "PASS"}, iface
+    assert "NCCL_SOCKET_IFNAME=enp5s0" in iface["tb2"]["fix"] and "/etc/ugro/nccl.env" in iface["tb2"]["fix"]
+    names = _cells(report, "names")
+    assert status("names") == {"tb1": "PASS", "tb2": "FAIL", "tb3": "PASS"}, names
+    assert "tb3" in names["tb2"]["fix"] and "/etc/hosts on tb2" in names["tb2"]["fix"]
+    torch = _cells(report, "torch")
+    assert status("torch") == {"tb1": "PASS", "tb2": "PASS", "tb3": "FAIL"}, torch
+    assert "2.99.0" in torch["tb3"]["cause"] and "torch 2.13.0" in torch["tb3"]["fix"]
+    assert status("ephemeral ports") == {"tb1": "PASS", "tb2": "PASS", "tb3": "PASS"}
+
+    # make train runs the same checks first and refuses to launch.
+    refused = _cli("train", "--inventory", str(planted), timeout=200)
+    assert refused.returncode == 1 and "not launching" in " ".join(refused.stderr.split()), refused.stderr[-2000:]
+    assert not any((REPO / "runs").glob("default-*/hosts/tb1")), "nothing may start"

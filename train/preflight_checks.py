@@ -1,0 +1,526 @@
+"""Judge what the preflight role measured: one row per check, one cell per host, PASS / WARN / FAIL.
+
+Pure functions over the ``preflight_report`` facts of every host (see roles/preflight and
+train/probe.py); train/preflight.py runs the playbook and renders the result. Every non-PASS cell
+says its cause and its fix in one line each.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
+ORDER: dict[str, int] = {"PASS": 0, "SKIP": 1, "WARN": 2, "FAIL": 3}
+VERSION_ROWS = ("python", "torch", "cuda runtime", "nccl", "transformers", "peft", "unsloth")
+NETWORK_ROWS = ("reachable", "rendezvous port", "ephemeral ports")
+GIB = 1 << 30
+
+
+@dataclass
+class Cell:
+    status: Status
+    detail: str = ""
+    cause: str = ""
+    fix: str = ""
+
+
+@dataclass
+class Check:
+    name: str
+    cells: dict[str, Cell] = field(default_factory=dict)
+
+
+@dataclass
+class Thresholds:
+    min_free_gb: float = 2.0  # free disk for checkpoints on the rendezvous host
+    busbw_floor_gbps: float = 0.05  # GB/s (nccl-tests' unit); 1 GbE tops out near 0.117
+    clock_skew_warn_s: float = 1.0
+    memory_headroom: float = 0.90  # WARN when the peak is above this share of the device
+
+
+@dataclass
+class Report:
+    hosts: list[str]
+    rendezvous_host: str
+    checks: list[Check] = field(default_factory=list)
+    measurements: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> figures
+
+    def row(self, name: str) -> Check:
+        for check in self.checks:
+            if check.name == name:
+                return check
+        raise KeyError(name)
+
+    def failed(self, rows: tuple[str, ...] | None = None) -> bool:
+        return any(
+            cell.status == "FAIL" for c in self.checks if rows is None or c.name in rows for cell in c.cells.values()
+        )
+
+    def problems(self) -> list[tuple[str, str, Cell]]:
+        return [
+            (c.name, h, cell) for c in self.checks for h, cell in c.cells.items() if cell.status in ("WARN", "FAIL")
+        ]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "ok": not self.failed(),
+                "hosts": self.hosts,
+                "rendezvous_host": self.rendezvous_host,
+                "checks": [{"name": c.name, "cells": {h: asdict(x) for h, x in c.cells.items()}} for c in self.checks],
+                "measurements": self.measurements,
+            },
+            indent=2,
+        )
+
+
+def _same_everywhere(
+    name: str, values: dict[str, str | None], rendezvous: str, fix: str, missing_ok: bool = True
+) -> Check:
+    """A row where every host must report the same value; the majority (ties: the rendezvous host) is right."""
+    check = Check(name)
+    counts = Counter(values.values())
+    top = max(counts.values(), default=0)
+    majority = [v for v, n in counts.items() if n == top]
+    reference = values.get(rendezvous) if values.get(rendezvous) in majority else majority[0] if majority else None
+    others = {v for v in values.values()}
+    for host, value in values.items():
+        if value == reference:
+            shown = value if value is not None else "not installed"
+            if value is None and not missing_ok:
+                check.cells[host] = Cell("FAIL", shown, f"{name} missing on every host", fix.format(ref="?", host=host))
+            else:
+                check.cells[host] = Cell("PASS", shown)
+            continue
+        where = ", ".join(h for h, v in values.items() if v == reference)
+        check.cells[host] = Cell(
+            "FAIL",
+            value or "not installed",
+            f"{name} {value or 'not installed'} on {host}, {reference or 'not installed'} on {where}",
+            fix.format(ref=reference, host=host),
+        )
+    del others
+    return check
+
+
+def _ifname_matches(spec: str, ifname: str) -> bool | None:
+    """Whether NCCL/GLOO_SOCKET_IFNAME ``spec`` selects interface ``ifname``; None for an exclusion list."""
+    if spec.startswith("^"):
+        return None
+    exact = spec.startswith("=")
+    for part in spec.lstrip("=").split(","):
+        part = part.strip()
+        if part and (ifname == part if exact else ifname.startswith(part)):
+            return True
+    return False
+
+
+def _interface_check(host: str, facts: dict[str, Any], address: str) -> Cell:
+    interfaces: dict[str, list[str]] = facts.get("interfaces", {})
+    holder = next((name for name, addrs in interfaces.items() if address in addrs), None)
+    env = facts.get("env_file", {})
+    path = env.get("path", "the env file")
+    if env.get("error"):
+        return Cell("FAIL", "unreadable", f"{path}: {env['error']}", f"fix or remove {path} on {host}")
+    if holder is None:
+        where = ", ".join(f"{n} {'/'.join(a)}" for n, a in interfaces.items() if n != "lo") or "none"
+        return Cell(
+            "FAIL",
+            "no interface",
+            f"no interface on {host} holds its cluster address {address} ({where})",
+            f"set ugro_cluster_address of {host} to one of its own addresses in the inventory",
+        )
+    ifnames: dict[str, str] = env.get("ifnames", {})
+    if not env.get("exists") or not ifnames:
+        note = f"no {path}" if not env.get("exists") else f"{path} names no interface"
+        return Cell("PASS", f"{holder} (detected; {note})")
+    for var, spec in sorted(ifnames.items()):
+        match = _ifname_matches(spec, holder)
+        if match is None:
+            return Cell(
+                "WARN",
+                f"{var}={spec}",
+                f"{var}={spec} in {path} is an exclusion list; not verified",
+                f"name the interface ({holder}) in {path} on {host}",
+            )
+        if not match:
+            exists = any(_ifname_matches(spec, n) for n in interfaces)
+            why = "selects another interface" if exists else "matches no interface here"
+            return Cell(
+                "FAIL",
+                f"{var}={spec}",
+                f"{var}={spec} in {path} {why}; {address} is on {holder}",
+                f"set NCCL_SOCKET_IFNAME={holder} and GLOO_SOCKET_IFNAME={holder} in {path} on {host}",
+            )
+    return Cell("PASS", f"{holder} ({path})")
+
+
+def _names_check(host: str, facts: dict[str, Any], addresses: dict[str, str]) -> Cell:
+    resolved: dict[str, dict[str, Any]] = facts.get("resolve", {})
+    bad: list[str] = []
+    lines: list[str] = []
+    for name, want in addresses.items():
+        if re.fullmatch(r"[0-9.]+", name):
+            continue
+        got = resolved.get(name, {})
+        if got.get("address") != want:
+            bad.append(f"{name} -> {got.get('address') or got.get('error') or 'nothing'}")
+            lines.append(f"{want} {name}")
+    if not bad:
+        return Cell("PASS", f"{len(addresses)} names")
+    return Cell(
+        "FAIL",
+        f"{len(bad)} wrong",
+        f"{host} resolves {'; '.join(bad)} (want the cluster address)",
+        f"put '{', '.join(lines)}' in /etc/hosts on {host} (no 127.0.1.1 line for its own name)",
+    )
+
+
+def _disk_check(host: str, facts: dict[str, Any], rendezvous: str, t: Thresholds) -> Cell:
+    disk = facts.get("disk", {})
+    free = disk.get("free_bytes", 0) / GIB
+    detail = f"{free:.1f} GiB free"
+    if free >= t.min_free_gb:
+        return Cell("PASS", detail)
+    where = disk.get("measured_at", disk.get("path", "?"))
+    status: Status = "FAIL" if host == rendezvous else "WARN"
+    what = "checkpoints are written here (rendezvous host)" if host == rendezvous else "logs are written here"
+    return Cell(
+        status,
+        detail,
+        f"{free:.2f} GiB free at {where} on {host}, below {t.min_free_gb:g} GiB; {what}",
+        f"free space on {host} under {where} (old runs/, caches) or raise the disk",
+    )
+
+
+def _connections(reports: dict[str, dict[str, Any]], label: str) -> list[dict[str, Any]]:
+    found = []
+    for host, report in reports.items():
+        for result in report.get("connect", []):
+            if result.get("label") == label:
+                found.append({**result, "from": host})
+    return found
+
+
+def _rendezvous_row(reports: dict[str, dict[str, Any]], rendezvous: str, port: int, hosts: list[str]) -> Check:
+    check = Check("rendezvous port")
+    listen = reports.get(rendezvous, {}).get("listen", {})
+    results = {r["from"]: r for r in _connections(reports, "rendezvous")}
+    bind_error = listen.get("errors", {}).get("rendezvous")
+    failed = {h: r for h, r in results.items() if not r.get("ok")}
+    for host in hosts:
+        if host not in reports:
+            continue
+        if host == rendezvous and bind_error and "in use" in bind_error:
+            check.cells[host] = Cell(
+                "FAIL",
+                "in use",
+                f"{bind_error} on {host}",
+                f"stop what listens on {port} there (a job still running?) or change ugro_rendezvous_port",
+            )
+            continue
+        if host == rendezvous and failed:
+            names = ", ".join(sorted(failed))
+            first = next(iter(failed.values()))
+            check.cells[host] = Cell(
+                "FAIL",
+                f"{len(failed)} blocked",
+                f"{names} cannot connect to {rendezvous}:{port}: {first.get('error')}",
+                f"allow tcp {port} from the cluster subnet in the firewall of {rendezvous} (nft/ufw/iptables)",
+            )
+            continue
+        result = results.get(host)
+        if result is None:
+            check.cells[host] = Cell("SKIP", "not tried")
+        elif result.get("ok"):
+            check.cells[host] = Cell("PASS", f"rtt {result['rtt_s'] * 1000:.1f} ms")
+        else:
+            check.cells[host] = Cell(
+                "FAIL",
+                "cannot connect",
+                f"{host} -> {rendezvous}:{port}: {result.get('error')}",
+                f"allow tcp {port} from the cluster subnet on {rendezvous}",
+            )
+    return check
+
+
+def _ephemeral_row(reports: dict[str, dict[str, Any]], hosts: list[str], addresses: dict[str, str]) -> Check:
+    check = Check("ephemeral ports")
+    if len(hosts) == 1:
+        for host in reports:
+            check.cells[host] = Cell("PASS", "single host")
+        return check
+    results = _connections(reports, "ephemeral")
+    for host in hosts:
+        if host not in reports:
+            continue
+        port = reports[host].get("listen", {}).get("ports", {}).get("ephemeral")
+        bind_error = reports[host].get("listen", {}).get("errors", {}).get("ephemeral")
+        inbound = [r for r in results if r["host"] == host and not r.get("ok") and not bind_error]
+        outbound = [r for r in results if r["from"] == host and not r.get("ok")]
+        if bind_error:
+            check.cells[host] = Cell(
+                "WARN",
+                "not tested",
+                f"{bind_error} on {host}: the probe's port was busy",
+                "run make preflight again (it picks another port)",
+            )
+        elif inbound:
+            peers = ", ".join(sorted(r["from"] for r in inbound))
+            check.cells[host] = Cell(
+                "FAIL",
+                f"{len(inbound)} blocked",
+                f"{peers} cannot connect to {host}:{port} ({inbound[0].get('error')}); "
+                "NCCL/gloo connect back on such ports",
+                f"allow tcp 32768-60999 (the ephemeral range) from the cluster subnet on {host}, not only 29500",
+            )
+        elif outbound:
+            peers = ", ".join(sorted(r["host"] for r in outbound))
+            check.cells[host] = Cell(
+                "FAIL",
+                "cannot connect",
+                f"{host} cannot connect to {peers}: {outbound[0].get('error')}",
+                f"check the output rules of {host}'s firewall and its route to {addresses.get(outbound[0]['host'])}",
+            )
+        else:
+            ok = sum(1 for r in results if r["from"] == host and r.get("ok"))
+            check.cells[host] = Cell("PASS", f"{ok} peers")
+    return check
+
+
+def _clock_row(reports: dict[str, dict[str, Any]], rendezvous: str, t: Thresholds) -> Check:
+    check = Check("clock skew")
+    for host, report in reports.items():
+        if host == rendezvous:
+            check.cells[host] = Cell("PASS", "reference")
+            continue
+        result = next((r for r in report.get("connect", []) if r.get("host") == rendezvous and "offset_s" in r), None)
+        if result is None:
+            check.cells[host] = Cell("SKIP", "not measured")
+            continue
+        offset = float(result["offset_s"])
+        detail = f"{offset * 1000:+.0f} ms"
+        if abs(offset) <= t.clock_skew_warn_s:
+            check.cells[host] = Cell("PASS", detail)
+        else:
+            check.cells[host] = Cell(
+                "WARN",
+                detail,
+                f"{host}'s clock is {offset:+.1f} s off {rendezvous}'s; logs and timeouts disagree",
+                f"enable time sync (systemd-timesyncd or chrony) on {host} and {rendezvous}",
+            )
+    return check
+
+
+def judge_fast(
+    reports: dict[str, dict[str, Any]],
+    unreachable: dict[str, str],
+    hosts: list[str],
+    rendezvous: str,
+    addresses: dict[str, str],
+    port: int,
+    controller_hash: str,
+    code_sync: dict[str, bool],
+    thresholds: Thresholds,
+    python_of: dict[str, str] | None = None,
+) -> Report:
+    """The fast rows from every host's report; hosts with no report are FAIL in `reachable` and SKIP elsewhere."""
+    report = Report(hosts, rendezvous)
+    python_of = python_of or {}
+    reach = Check("reachable")
+    ok: dict[str, dict[str, Any]] = {}
+    for host in hosts:
+        r = reports.get(host)
+        if host in unreachable or r is None:
+            reach.cells[host] = Cell(
+                "FAIL",
+                "unreachable",
+                f"{host}: {unreachable.get(host, 'no report')}"[:300],
+                f"check ansible_host/ansible_user of {host} and that `ssh {host}` works",
+            )
+        elif not r.get("facts"):
+            python = python_of.get(host, "ugro_python")
+            reach.cells[host] = Cell(
+                "FAIL",
+                "no python",
+                f"{host}: the probe could not run with {python}: {r.get('error') or 'no output'}"[:300],
+                f"provision {host} (the repository's .venv at ugro_code_dir) or fix ugro_python ({python})",
+            )
+        else:
+            reach.cells[host] = Cell("PASS", "ssh + python")
+            ok[host] = r
+    report.checks.append(reach)
+
+    facts = {h: r["facts"] for h, r in ok.items()}
+    for row in VERSION_ROWS:
+        values = {h: f["versions"].get(row) for h, f in facts.items()}
+        if row == "python":
+            fix = "rebuild the venv of {host} with Python {ref} (make provision)"
+        else:
+            fix = "install " + row.replace(" ", "-") + " {ref} on {host}: pip install -r requirements.lock in its venv"
+        report.checks.append(_same_everywhere(row, values, rendezvous, fix))
+
+    code = Check("train code")
+    for host, f in facts.items():
+        got = f.get("code", {}).get("hash")
+        if got == controller_hash:
+            code.cells[host] = Cell("PASS", got[:12])
+        elif code_sync.get(host, True):
+            what = got[:12] if got else f"({f['code'].get('why')})"
+            code.cells[host] = Cell(
+                "WARN",
+                (got or "none")[:12],
+                f"{host}'s code {what} is not the controller's {controller_hash[:12]}",
+                "nothing to do: `make train` syncs it before launching",
+            )
+        else:
+            code.cells[host] = Cell(
+                "FAIL",
+                (got or "none")[:12],
+                f"{host}'s code differs from the controller's {controller_hash[:12]} and ugro_code_sync is false",
+                f"update the checkout of {host} or set ugro_code_sync: true",
+            )
+    report.checks.append(code)
+
+    gpu = Check("gpu")
+    for host, f in facts.items():
+        g = f.get("gpu", {})
+        if g.get("gpus"):
+            names = ", ".join(f"{x['name']} {x['memory_mib'] / 1024:.0f} GiB" for x in g["gpus"])
+            gpu.cells[host] = Cell("PASS", names)
+        else:
+            gpu.cells[host] = Cell(
+                "WARN",
+                "none (CPU, gloo)",
+                f"no GPU on {host} ({g.get('smi')}); it trains on CPU",
+                f"expected on a CPU-only host; else install the NVIDIA driver on {host} (make provision)",
+            )
+    report.checks.append(gpu)
+    drivers = {h: f["gpu"]["driver"] for h, f in facts.items() if f.get("gpu", {}).get("driver")}
+    driver = _same_everywhere(
+        "driver", drivers, rendezvous, "install driver {ref} on {host} and hold it (apt-mark hold), then reboot"
+    )
+    for host in facts:
+        driver.cells.setdefault(host, Cell("PASS", "no GPU"))
+    report.checks.append(driver)
+
+    report.checks.append(Check("disk", {h: _disk_check(h, f, rendezvous, thresholds) for h, f in facts.items()}))
+    report.checks.append(Check("names", {h: _names_check(h, f, addresses) for h, f in facts.items()}))
+    report.checks.append(Check("interface", {h: _interface_check(h, f, addresses[h]) for h, f in facts.items()}))
+    report.checks.append(_rendezvous_row(ok, rendezvous, port, hosts))
+    report.checks.append(_ephemeral_row(ok, hosts, addresses))
+    report.checks.append(_clock_row(ok, rendezvous, thresholds))
+    for host in hosts:  # a host that never reported: every row but `reachable` is SKIP
+        for check in report.checks:
+            check.cells.setdefault(host, Cell("SKIP", "-"))
+        if host in facts:
+            report.measurements.setdefault(host, {})["versions"] = facts[host]["versions"]
+    return report
+
+
+def _marked(output: str, mark: str) -> list[dict[str, Any]]:
+    found = []
+    for line in output.splitlines():
+        if line.startswith(mark + " "):
+            try:
+                found.append(json.loads(line[len(mark) + 1 :]))
+            except ValueError:
+                continue
+    return found
+
+
+def _tail(output: str, lines: int = 2) -> str:
+    kept = [line.strip() for line in output.splitlines() if line.strip() and "warn" not in line.lower()]
+    return " | ".join(kept[-lines:])[:300]
+
+
+def judge_heavy(report: Report, heavy: dict[str, dict[str, Any]], thresholds: Thresholds, job_file: str) -> None:
+    """Add the all-reduce and memory rows from the heavy phase's reports."""
+    allreduce = Check("all-reduce")
+    memory = Check("memory (5 steps)")
+    for host in report.hosts:
+        h = heavy.get(host)
+        if h is None:
+            allreduce.cells[host] = memory.cells[host] = Cell("SKIP", "-")
+            continue
+        ar = h.get("allreduce", {})
+        out = _marked(str(ar.get("output", "")), "UGRO_ALLREDUCE")
+        rc = int(ar.get("rc", -1))
+        if out and out[0].get("sum_ok"):
+            r = out[0]
+            gbps = r["busbw_Bps"] / 1e9
+            report.measurements.setdefault(host, {})["allreduce"] = r
+            detail = f"{r['latency_s'] * 1e3:.2f} ms, busbw {gbps:.3f} GB/s"
+            if r["world"] > 1 and gbps < thresholds.busbw_floor_gbps:
+                allreduce.cells[host] = Cell(
+                    "WARN",
+                    detail,
+                    f"bus bandwidth {gbps:.3f} GB/s on {host} ({r['backend']} over {r['ifname'] or '?'}) "
+                    f"is below the floor {thresholds.busbw_floor_gbps:g} GB/s",
+                    f"check {host}'s link speed and duplex (ethtool), cable and switch; "
+                    "or lower the floor (BUSBW_FLOOR)",
+                )
+            else:
+                allreduce.cells[host] = Cell("PASS", detail)
+        else:
+            why = "hung and was stopped" if rc in (124, 137) else f"exited {rc}" if rc else "reported no result"
+            allreduce.cells[host] = Cell(
+                "FAIL",
+                why,
+                f"all-reduce on {host} {why}: {_tail(str(ar.get('output', '')))}",
+                "fix the network rows above (rendezvous, ephemeral ports, interface), then rerun make preflight",
+            )
+        mem = h.get("memory", {})
+        res = _marked(str(mem.get("output", "")), "UGRO_MEMPROBE")
+        memory.cells[host] = _memory_cell(
+            host, res[0] if res else None, int(mem.get("rc", -1)), str(mem.get("output", "")), thresholds, job_file
+        )
+        if res:
+            report.measurements.setdefault(host, {})["memory"] = res[0]
+    report.checks += [allreduce, memory]
+
+
+def _memory_cell(host: str, r: dict[str, Any] | None, rc: int, output: str, t: Thresholds, job_file: str) -> Cell:
+    if r is None:
+        why = "ran out of time" if rc in (124, 137) else f"exited {rc}"
+        return Cell(
+            "FAIL",
+            why,
+            f"memory probe on {host} {why}: {_tail(output)}",
+            f"run `python -m train.memprobe --job {job_file}` on {host} to see the error",
+        )
+    if r.get("config_error"):
+        return Cell("FAIL", "bad profile/job", r["config_error"], "fix the named key in that file")
+    where = r.get("profile") or job_file
+    micro = r.get("micro_batch_size")
+    knob = f"lower rank_local.micro_batch_size (now {micro}) in {where} on {host}"
+    if not r.get("gradient_checkpointing"):
+        knob += ", or set rank_local.gradient_checkpointing: true"
+    peak = r.get("peak_bytes", 0) / GIB
+    if r.get("oom"):
+        return Cell(
+            "FAIL",
+            f"OOM at micro_batch_size={micro}",
+            f"out of memory on {host} at rank_local.micro_batch_size={micro}: {r['oom']}",
+            knob,
+        )
+    total = r.get("total_bytes") or r.get("available_bytes")
+    if not total:
+        return Cell("PASS", f"peak {peak:.2f} GiB")
+    share = r.get("peak_bytes", 0) / total
+    kind = "GPU memory" if r.get("total_bytes") else "available RAM"
+    detail = f"peak {peak:.2f} of {total / GIB:.1f} GiB"
+    if share > 1.0:
+        return Cell("FAIL", detail, f"peak {peak:.2f} GiB exceeds the {kind} of {host}", knob)
+    if share > t.memory_headroom:
+        return Cell(
+            "WARN",
+            detail,
+            f"peak {peak:.2f} GiB is {share:.0%} of the {kind} of {host}: longer sequences may not fit",
+            knob,
+        )
+    return Cell("PASS", detail)
