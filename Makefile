@@ -10,10 +10,12 @@ RESUME    ?= none
 JOB_ID    ?=
 PYTEST_ARGS ?=
 
-.PHONY: train status logs stop validate test lint typecheck venv lock clean help testbed-up testbed-down
+.PHONY: train preflight doctor status logs stop validate test lint typecheck venv lock clean help testbed-up testbed-down
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
+	@echo "make preflight [JOB=...] [INVENTORY=...] [JSON=1]   check every host before a launch (make train runs the fast checks; SKIP_PREFLIGHT=1 skips them)"
+	@echo "make doctor [JOB_ID=...]   explain a failed run from its collected logs: host, cause, fix"
 	@echo "make status|logs|stop [INVENTORY=...] [JOB_ID=...]   the newest job (runs/latest) by default"
 	@echo "make test            the whole test suite (ansible-lint, ruff, mypy, pytest)"
 	@echo "make testbed-up N=3 / make testbed-down   a test cluster of N hosts on this machine (root)"
@@ -31,6 +33,12 @@ venv: $(VENV)/.installed
 
 train: venv
 	$(PY) -m train.cli train --job $(JOB) --inventory $(INVENTORY) --resume $(RESUME)
+
+preflight: venv
+	$(PY) -m train.cli preflight --job $(JOB) --inventory $(INVENTORY) $(if $(JSON),--json)
+
+doctor: venv
+	$(PY) -m train.cli doctor $(if $(JOB_ID),--job-id $(JOB_ID)) $(if $(JSON),--json)
 
 status logs stop: venv
 	$(PY) -m train.cli $@ --inventory $(INVENTORY) $(if $(JOB_ID),--job-id $(JOB_ID))
