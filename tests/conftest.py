@@ -81,6 +81,8 @@ def small_job(**overrides: Any) -> dict[str, Any]:
         "train": {"max_steps": 30, "global_batch_size": 8, "log_every": 10, "seed": 7},
         "checkpoint": {"every": 10, "keep_last": 5},
         "rank_local": {"micro_batch_size": 2},
+        # Fixed shares: measured plans depend on timing, and the resume tests compare runs bit for bit.
+        "balance": "equal",
     }
     for section, values in overrides.items():
         if isinstance(values, dict):
@@ -95,13 +97,15 @@ def write_job(path: Path, **overrides: Any) -> Path:
     return path
 
 
-def torchrun_cmd(job: Path, run_dir: Path, nproc: int = 2, resume: str = "none") -> list[str]:
+def torchrun_cmd(
+    job: Path, run_dir: Path, nproc: int = 2, resume: str = "none", extra: tuple[str, ...] = ()
+) -> list[str]:
     return [
         PYTHON, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--nnodes=1", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0",
         "--module", "train.worker", "--job", str(job), "--run-dir", str(run_dir),
-        "--resume", resume, "--code-dir", str(REPO),
+        "--resume", resume, "--code-dir", str(REPO), *extra,
     ]  # fmt: skip
 
 
@@ -109,10 +113,13 @@ def run_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
-def torchrun(job: Path, run_dir: Path, nproc: int = 2, resume: str = "none") -> subprocess.CompletedProcess[str]:
+def torchrun(
+    job: Path, run_dir: Path, nproc: int = 2, resume: str = "none", extra: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        torchrun_cmd(job, run_dir, nproc, resume), cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300
-    )
+        torchrun_cmd(job, run_dir, nproc, resume, extra),
+        cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,11 @@ JOB = small_job(lora={"dropout": 0.0}, data={"seq_len": 24, "packing": False})
 
 
 def _batches() -> list[list[dict[str, torch.Tensor]]]:
-    """Rank 0: three sequences in micro-batches of 2 + 1; rank 1: one sequence. Label counts differ too."""
+    """Unequal shares, micro-batch sizes and accumulation counts, and unequal label counts per sequence.
+
+    Rank 0: five sequences in micro-batches of 2 + 2 + 1; rank 1: three in one micro-batch;
+    rank 2: one sequence.
+    """
     gen = torch.Generator().manual_seed(0)
 
     def batch(n: int, lengths: list[int]) -> dict[str, torch.Tensor]:
@@ -31,7 +35,14 @@ def _batches() -> list[list[dict[str, torch.Tensor]]]:
             labels[row, 3:length] = ids[row, 3:length]
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
-    return [[batch(2, [24, 10]), batch(1, [17])], [batch(1, [6])]]
+    return [
+        [batch(2, [24, 10]), batch(2, [5, 19]), batch(1, [17])],
+        [batch(3, [24, 24, 8])],
+        [batch(1, [6])],
+    ]
+
+
+WORLD = len(_batches())
 
 
 def _model() -> torch.nn.Module:
@@ -47,12 +58,14 @@ def _step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]]) 
     return {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0")
+def _rank(rank: int, port: int, out: str, compress: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0"
+    )
     torch.set_num_threads(1)
     info = distributed.init(timeout_s=120)
     model = _model()
-    after = _step(distributed.wrap(model, info), _batches()[rank])
+    after = _step(distributed.wrap(model, info, compress=compress), _batches()[rank])
     if rank == 0:
         torch.save(after, out)
     dist.destroy_process_group()
@@ -68,12 +81,16 @@ def _max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tens
     return worst
 
 
-def test_two_ranks_with_unequal_micro_batches_equal_union_step(tmp_path: Path) -> None:
+def _distributed_step(tmp_path: Path, compress: str) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"rank0-{compress}.pt"
+    mp.spawn(_rank, args=(free_port(), str(out), compress), nprocs=WORLD, join=True)
+    return dict(torch.load(out))
+
+
+def test_unequal_shares_micro_batches_and_accumulation_equal_the_union_step(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     start = {n: p.detach().clone() for n, p in _model().named_parameters() if p.requires_grad}
-    out = tmp_path / "rank0.pt"
-    mp.spawn(_rank, args=(free_port(), str(out)), nprocs=2, join=True)
-    distributed_after = torch.load(out)
+    distributed_after = _distributed_step(tmp_path, "none")
 
     union = [mb for rank in _batches() for mb in rank]
     single_after = _step(_model(), union)
@@ -86,3 +103,12 @@ def test_two_ranks_with_unequal_micro_batches_equal_union_step(tmp_path: Path) -
     torch.optim.SGD([p for p in naive.parameters() if p.requires_grad], lr=1.0).step()
     naive_after = {n: p.detach() for n, p in naive.named_parameters() if p.requires_grad}
     assert _max_relative_difference(naive_after, single_after, start) > 1e-3
+
+
+def test_bf16_compressed_all_reduce_stays_close_to_the_exact_step(tmp_path: Path) -> None:
+    """bf16 keeps 8 bits of mantissa: the update moves by well under 1 %, but it does move."""
+    torch.set_num_threads(1)
+    start = {n: p.detach().clone() for n, p in _model().named_parameters() if p.requires_grad}
+    compressed = _distributed_step(tmp_path, "bf16")
+    exact = _step(_model(), [mb for rank in _batches() for mb in rank])
+    assert 0 < _max_relative_difference(compressed, exact, start) < 1e-2

@@ -36,6 +36,7 @@ MANIFEST = "manifest.json"
 class Restored:
     step: int
     path: Path
+    extra: dict[str, Any]  # what the run saved beside the weights (world size, batch plan, ...)
 
 
 def _sha256(path: Path) -> str:
@@ -183,4 +184,6 @@ def restore(
         set_rng_state(rngs[rank])
     else:
         torch.manual_seed(hash((state["step"], rank)) & 0xFFFFFFFF)
-    return Restored(step=int(state["step"]), path=Path(path_str))
+    known = {"step", "trainable", "optimizer", "scheduler", "rng"}
+    extra = {k: v for k, v in state.items() if k not in known}
+    return Restored(step=int(state["step"]), path=Path(path_str), extra=extra)

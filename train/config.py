@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -87,15 +87,50 @@ class CheckpointConfig(_Strict):
 
 class DistributedConfig(_Strict):
     timeout_s: int = Field(600, gt=0, description="Process-group timeout: a collective waiting longer fails.")
+    grad_compression: Literal["auto", "bf16", "none"] = Field(
+        "auto",
+        description="Gradients are all-reduced in bf16 (half the bytes). auto: bf16 when the trainable weights are "
+        "fp32 and the ranks span more than one host (a network link); none on a single host.",
+    )
+    calibration_steps: int = Field(
+        3, gt=0, description="balance: auto -- steps timed before the first measured plan, and between re-plans."
+    )
+    replan_threshold: float = Field(
+        0.10,
+        gt=0,
+        lt=1,
+        description="balance: auto -- re-plan when a plan from the latest step times would shorten the step by more "
+        "than this fraction.",
+    )
 
 
 class RankLocalConfig(_Strict):
     """The only knobs a host's memory profile may change."""
 
-    micro_batch_size: int = Field(4, gt=0)
+    micro_batch_size: int = Field(
+        4, gt=0, description="The largest micro-batch this rank's memory holds; the balancer never exceeds it."
+    )
     gradient_checkpointing: bool = False
-    dataloader_workers: int = Field(0, ge=0)
 
+
+class BenchmarkConfig(_Strict):
+    """Only for `make bench`: the worker refuses a job that sets it unless started by the benchmark."""
+
+    emulate_speed: list[float] = Field(
+        min_length=1,
+        description="Per global rank, a speed factor in (0, 1]: the rank sleeps (1/f - 1) x its own compute time, "
+        "so it runs like a device f times as fast as this one.",
+    )
+
+    @model_validator(mode="after")
+    def _check_factors(self) -> BenchmarkConfig:
+        bad = [f for f in self.emulate_speed if not 0 < f <= 1]
+        if bad:
+            raise ValueError(f"speed factors must be in (0, 1], got {bad}")
+        return self
+
+
+Balance = Literal["auto", "equal"] | dict[str, Annotated[float, Field(gt=0)]]
 
 CLUSTER_WIDE_SECTIONS = ("model", "lora", "data", "optim", "schedule", "train", "checkpoint", "distributed")
 
@@ -110,7 +145,14 @@ class JobConfig(_Strict):
     train: RunConfig = RunConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     distributed: DistributedConfig = DistributedConfig()
+    balance: Balance = Field(
+        "auto",
+        description="How each global batch is split across ranks. auto: by measured throughput, re-planned when it "
+        "drifts; equal: the same share for every rank; {host: weight}: fixed shares by host (every rank of a host "
+        "gets the host's weight). Micro-batches never exceed a rank's rank_local.micro_batch_size.",
+    )
     rank_local: RankLocalConfig = RankLocalConfig()
+    benchmark: BenchmarkConfig | None = None
 
     @model_validator(mode="after")
     def _check_combinations(self) -> JobConfig:
@@ -123,7 +165,8 @@ class JobConfig(_Strict):
 
     def cluster_wide(self) -> dict[str, Any]:
         """The part of the job that must be identical on every rank."""
-        return {key: getattr(self, key).model_dump(mode="json") for key in CLUSTER_WIDE_SECTIONS} | {"name": self.name}
+        sections = {key: getattr(self, key).model_dump(mode="json") for key in CLUSTER_WIDE_SECTIONS}
+        return sections | {"name": self.name, "balance": self.balance}
 
     def cluster_hash(self) -> str:
         blob = json.dumps(self.cluster_wide(), sort_keys=True).encode()
@@ -166,14 +209,23 @@ def _describe(error: ValidationError, path: Path, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-def load_job(path: str | Path) -> JobConfig:
-    """Load and validate a job file; raise ConfigError naming the file and every bad key."""
+def load_job(path: str | Path, benchmark: bool = False) -> JobConfig:
+    """Load and validate a job file; raise ConfigError naming the file and every bad key.
+
+    The ``benchmark`` section slows ranks down on purpose; only the benchmark may pass ``benchmark=True``.
+    """
     path = Path(path)
     raw = _read_yaml(path)
     try:
-        return JobConfig.model_validate(raw)
+        job = JobConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, path)) from None
+    if job.benchmark is not None and not benchmark:
+        raise ConfigError(
+            f"{path}: key 'benchmark' is only for `make bench` (benchmark.emulate_speed makes ranks sleep on "
+            "purpose to emulate slower GPUs); remove the section from the job file"
+        )
+    return job
 
 
 def load_profile(path: str | Path, host: str) -> dict[str, Any]:
@@ -182,7 +234,7 @@ def load_profile(path: str | Path, host: str) -> dict[str, Any]:
     raw = _read_yaml(path)
     allowed = set(RankLocalConfig.model_fields)
     for key in raw:
-        if key in CLUSTER_WIDE_SECTIONS or key == "name":
+        if key in JobConfig.model_fields and key != "rank_local":
             raise ConfigError(
                 f"{path} on host {host}: key '{key}' is cluster-wide and must be the same on every rank; "
                 f"set it in the job file instead. A profile may only set: {', '.join(sorted(allowed))}"

@@ -6,6 +6,7 @@ hand out indices without any rank sending data to another.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,15 @@ class Blocks(Dataset[dict[str, torch.Tensor]]):
             "input_ids": self.input_ids[index],
             "labels": self.labels[index],
             "attention_mask": self.attention_mask[index],
+        }
+
+    def batch(self, indices: Sequence[int], device: torch.device) -> dict[str, torch.Tensor]:
+        """A micro-batch: the blocks at ``indices`` stacked, on ``device`` (they are already tokenized)."""
+        index = torch.as_tensor(list(indices), dtype=torch.long)
+        return {
+            "input_ids": self.input_ids[index].to(device, non_blocking=True),
+            "labels": self.labels[index].to(device, non_blocking=True),
+            "attention_mask": self.attention_mask[index].to(device, non_blocking=True),
         }
 
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import typing
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from train.config import ConfigError, JobConfig
+from train.step import StepClock
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,7 @@ class RankInfo:
     host: str
     device: torch.device
     main_rank: int = 0  # writes metrics and checkpoints: local rank 0 of the rendezvous host
+    hosts: tuple[str, ...] = ()  # the host of every rank, by rank
 
     @property
     def is_main(self) -> bool:
@@ -46,22 +50,25 @@ def init(timeout_s: int) -> RankInfo:
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
     host = os.environ.get("UGRO_HOST") or socket.gethostname()
-    return RankInfo(rank, local_rank, world, host, device, _main_rank(rank, local_rank, world))
+    main_rank, hosts = _roll_call(host, rank, local_rank, world)
+    return RankInfo(rank, local_rank, world, host, device, main_rank, hosts)
 
 
-def _main_rank(rank: int, local_rank: int, world: int) -> int:
-    """The rank whose disk holds the run: local rank 0 on the host the launcher marked UGRO_MAIN_HOST=1.
+def _roll_call(host: str, rank: int, local_rank: int, world: int) -> tuple[int, tuple[str, ...]]:
+    """Every rank's host, and the rank whose disk holds the run.
 
-    c10d rendezvous numbers nodes by their address, not by inventory order, so global rank 0 may
+    The main rank is local rank 0 on the host the launcher marked UGRO_MAIN_HOST=1: c10d
+    rendezvous numbers nodes by their address, not by inventory order, so global rank 0 may
     live on any host; checkpoints and metrics belong on the rendezvous host all the same.
     """
     candidate = rank if os.environ.get("UGRO_MAIN_HOST") == "1" and local_rank == 0 else world
     if not dist.is_initialized():
-        return 0
-    everyone: list[int | None] = [None] * world
-    dist.all_gather_object(everyone, candidate)
-    chosen = min(c for c in everyone if c is not None)
-    return chosen if chosen < world else 0
+        return 0, (host,)
+    everyone: list[tuple[str, int] | None] = [None] * world
+    dist.all_gather_object(everyone, (host, candidate))
+    entries = [e for e in everyone if e is not None]
+    chosen = min(c for _, c in entries)
+    return (chosen if chosen < world else 0), tuple(h for h, _ in entries)
 
 
 def shutdown() -> None:
@@ -109,8 +116,37 @@ def check_same_job(job: JobConfig, info: RankInfo) -> None:
         )
 
 
-def wrap(model: torch.nn.Module, info: RankInfo) -> torch.nn.Module:
-    """DDP over the trainable (LoRA) parameters only.
+def compression(job: JobConfig, info: RankInfo, model: torch.nn.Module) -> str:
+    """bf16 or none: auto compresses fp32 gradients when they cross a network link (ranks on several hosts)."""
+    setting = job.distributed.grad_compression
+    if setting != "auto":
+        return setting
+    fp32 = all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+    return "bf16" if fp32 and len(set(info.hosts)) > 1 else "none"
+
+
+@dataclass
+class _HookState:
+    clock: StepClock
+    compress: bool
+    process_group: dist.ProcessGroup | None = None
+
+
+def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: note that this rank's gradients are ready, then all-reduce them (averaged)."""
+    state.clock.lap()
+    hook = default_hooks.bf16_compress_hook if state.compress else default_hooks.allreduce_hook
+    return hook(state.process_group, bucket)  # type: ignore[arg-type]
+
+
+# DDP inspects the hook's annotations as objects; `from __future__ import annotations` left strings.
+_timed_allreduce.__annotations__ = typing.get_type_hints(_timed_allreduce)
+
+
+def wrap(
+    model: torch.nn.Module, info: RankInfo, clock: StepClock | None = None, compress: str = "none"
+) -> torch.nn.Module:
+    """DDP over the trainable (LoRA) parameters only, with a timing (and optionally bf16) all-reduce hook.
 
     Frozen base weights and buffers are left out of DDP's start-up broadcast: every rank loads
     identical ones from disk, and broadcasting a quantized 7B base would cost ~30 s on 1 GbE.
@@ -123,10 +159,12 @@ def wrap(model: torch.nn.Module, info: RankInfo) -> torch.nn.Module:
     with warnings.catch_warnings():
         # torch 2.13 deprecates broadcast_buffers, but its replacement still broadcasts at init.
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             model,
             device_ids=[info.local_rank] if info.device.type == "cuda" else None,
             find_unused_parameters=False,
             broadcast_buffers=False,
             gradient_as_bucket_view=True,
         )
+    ddp.register_comm_hook(_HookState(clock or StepClock(), compress == "bf16"), _timed_allreduce)
+    return ddp

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
 
 from train import checkpoint, distributed
+from train.balance import Balancer
 from train.config import JobConfig
 from train.data import prepare
 from train.distributed import RankInfo
 from train.metrics import MetricsWriter, plot_loss, write_status
 from train.model import load_model
-from train.sampler import GlobalBatchSampler, equal_shares
+from train.sampler import GlobalBatchSampler
 from train.schedule import warmup_cosine
 from train.step import backward, clip
 
@@ -27,41 +26,17 @@ class NonFiniteError(RuntimeError):
     """The loss or the gradient went NaN/Inf; the run stops and keeps its last good checkpoint."""
 
 
-class _MicroBatchIndices:
-    """This rank's micro-batches (lists of block indices) from ``start`` to the last step, in order."""
-
-    def __init__(self, sampler: GlobalBatchSampler, rank: int, micro: int, start: int, stop: int) -> None:
-        self.sampler, self.rank, self.micro, self.start, self.stop = sampler, rank, micro, start, stop
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for step in range(self.start, self.stop):
-            yield from self.sampler.micro_batches(step, self.rank, self.micro)
-
-
-def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: bool) -> None:
+def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: bool, slowdown: float = 0.0) -> None:
+    """Train; ``slowdown`` > 0 only under `make bench` (this rank emulates a slower device)."""
     torch.manual_seed(job.train.seed)
     model, tokenizer, backend = load_model(job, code_dir, info.device)
     blocks = prepare(job.data, tokenizer, code_dir)
-    shares = equal_shares(job.train.global_batch_size, info.world_size)
-    sampler = GlobalBatchSampler(len(blocks), job.train.global_batch_size, tuple(shares), job.train.seed)
-    micro = job.rank_local.micro_batch_size
-    accum = math.ceil(shares[info.rank] / micro)
+    sampler = GlobalBatchSampler(len(blocks), job.train.global_batch_size, job.train.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         trainable, lr=job.optim.lr, betas=job.optim.betas, eps=job.optim.eps, weight_decay=job.optim.weight_decay
     )
     scheduler = warmup_cosine(optimizer, job.schedule.warmup_steps, job.train.max_steps, job.schedule.min_lr_ratio)
-    log.info(
-        "backend=%s device=%s blocks=%d seq_len=%d trainable=%d share=%d micro_batch=%d accumulation=%d",
-        backend,
-        info.device,
-        len(blocks),
-        job.data.seq_len,
-        sum(p.numel() for p in trainable),
-        shares[info.rank],
-        micro,
-        accum,
-    )
 
     start = 0
     torch.manual_seed(job.train.seed + 7919 * (info.rank + 1))  # LoRA dropout differs per rank
@@ -72,15 +47,19 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     elif resume:
         log.info("no intact checkpoint in %s: starting from step 0", run_dir / "checkpoints")
 
-    ddp = distributed.wrap(model, info)
-    loader: DataLoader[dict[str, torch.Tensor]] = DataLoader(
-        blocks,
-        batch_sampler=_MicroBatchIndices(sampler, info.rank, micro, start, job.train.max_steps),
-        num_workers=job.rank_local.dataloader_workers,
-        pin_memory=info.device.type == "cuda",
-        generator=torch.Generator().manual_seed(job.train.seed),  # keeps the global RNG (dropout) untouched
+    balancer = Balancer(job, info, restored.extra.get("plan") if restored else None, slowdown)
+    compress = distributed.compression(job, info, model)
+    ddp = distributed.wrap(model, info, balancer.clock, compress)
+    log.info(
+        "backend=%s device=%s blocks=%d seq_len=%d trainable=%d micro_batch_cap=%d grad_compression=%s",
+        backend,
+        info.device,
+        len(blocks),
+        job.data.seq_len,
+        sum(p.numel() for p in trainable),
+        job.rank_local.micro_batch_size,
+        compress,
     )
-    batches = iter(loader)
     writer = MetricsWriter(run_dir, job.train.max_steps, start) if info.is_main else None
     if info.is_main:
         write_status(
@@ -90,14 +69,19 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             total_steps=job.train.max_steps,
             backend=backend,
             world_size=info.world_size,
+            plan=balancer.plan.to_dict(),
         )
 
     ddp.train()
     for step in range(start, job.train.max_steps):
-        micro_batches = [
-            {k: v.to(info.device, non_blocking=True) for k, v in next(batches).items()} for _ in range(accum)
-        ]
-        loss, tokens = backward(ddp, micro_batches, info.device)
+        indices = sampler.micro_batches(step, info.rank, balancer.plan.shares, balancer.micro_sizes())
+        micro_batches = [blocks.batch(ix, info.device) for ix in indices]
+        loss, tokens = backward(ddp, micro_batches, info.device, balancer.clock)
+        new_plan = balancer.after_step(warming_up=step < start + 2)
+        if new_plan is not None:
+            log.info("step %d: re-planned from measured step times: %s", step + 1, new_plan.describe())
+            if info.is_main:
+                write_status(run_dir, plan=new_plan.to_dict())
         grad_norm = clip(trainable, job.optim.grad_clip)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             last = checkpoint.latest_valid(run_dir)
@@ -133,7 +117,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
                 scheduler,
                 job.checkpoint.keep_last,
                 info.is_main,
-                {"cluster_hash": job.cluster_hash(), "world_size": info.world_size},
+                {"cluster_hash": job.cluster_hash(), "world_size": info.world_size, "plan": balancer.plan.to_dict()},
             )
             if saved is not None:
                 log.info("checkpoint %s written and verified", saved)

@@ -2,45 +2,42 @@
 
 The data is an endless stream: epoch ``e`` is a permutation of all block indices seeded by
 ``(seed, e)``, and optimizer step ``s`` takes the stream's items ``[s*G, (s+1)*G)``. Each rank
-takes its share of those ``G`` items. Because the stream never ends, every rank runs exactly
-the same number of optimizer steps whatever the dataset size — no rank runs dry first and
-leaves the others waiting in a collective — and the sampler position is just the step number.
+takes its share of those ``G`` items, as the current plan (train/planner.py) says; the shares
+may be unequal and may change between steps, but the global batch of a step never does. Because
+the stream never ends, every rank runs exactly the same number of optimizer steps whatever the
+dataset size and split — no rank runs dry first and leaves the others waiting in a collective —,
+epoch boundaries fall at the same step on every rank, and the sampler position is just the step
+number.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 
-def equal_shares(global_batch: int, world_size: int) -> list[int]:
-    """Split a global batch as evenly as possible; every rank gets at least one item."""
-    if global_batch < world_size:
-        raise ValueError(
-            f"train.global_batch_size ({global_batch}) is smaller than the number of ranks ({world_size}); "
-            "every rank needs at least one sequence per step"
-        )
-    base, extra = divmod(global_batch, world_size)
-    return [base + (1 if r < extra else 0) for r in range(world_size)]
+@functools.lru_cache(maxsize=4)
+def _permutation(num_items: int, seed: int, epoch: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_items, generator=gen)
 
 
 @dataclass(frozen=True)
 class GlobalBatchSampler:
     num_items: int
     global_batch: int
-    shares: tuple[int, ...]
     seed: int
 
     def __post_init__(self) -> None:
-        if sum(self.shares) != self.global_batch:
-            raise ValueError(f"shares {self.shares} do not add up to the global batch {self.global_batch}")
         if self.num_items <= 0:
             raise ValueError("the dataset is empty")
 
     def _epoch(self, epoch: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_items, generator=gen)
+        return _permutation(self.num_items, self.seed, epoch)
 
     def epoch_of(self, step: int) -> float:
         return step * self.global_batch / self.num_items
@@ -56,10 +53,16 @@ class GlobalBatchSampler:
             pos += take
         return items
 
-    def rank_items(self, step: int, rank: int) -> list[int]:
-        begin = sum(self.shares[:rank])
-        return self.global_batch_at(step)[begin : begin + self.shares[rank]]
+    def rank_items(self, step: int, rank: int, shares: Sequence[int]) -> list[int]:
+        if sum(shares) != self.global_batch:
+            raise ValueError(f"shares {list(shares)} do not add up to the global batch {self.global_batch}")
+        begin = sum(shares[:rank])
+        return self.global_batch_at(step)[begin : begin + shares[rank]]
 
-    def micro_batches(self, step: int, rank: int, micro_batch_size: int) -> list[list[int]]:
-        items = self.rank_items(step, rank)
-        return [items[i : i + micro_batch_size] for i in range(0, len(items), micro_batch_size)]
+    def micro_batches(self, step: int, rank: int, shares: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
+        """The rank's items of this step cut into micro-batches of the given sizes (they sum to its share)."""
+        items = self.rank_items(step, rank, shares)
+        if sum(sizes) != len(items):
+            raise ValueError(f"micro-batch sizes {list(sizes)} do not add up to the share {len(items)}")
+        bounds = [0, *itertools.accumulate(sizes)]
+        return [items[a:b] for a, b in itertools.pairwise(bounds)]

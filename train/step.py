@@ -7,12 +7,17 @@ single process would compute on the whole global batch, however the batch was sp
 
 Every micro-batch but the last runs under ``no_sync()``, so each rank does exactly one
 synchronizing backward per optimizer step.
+
+The same all-reduce that sums T also carries every rank's compute time of the previous step
+(``StepClock``), which the balancer needs: timing costs no extra message.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -43,22 +48,72 @@ def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+@dataclass
+class StepClock:
+    """This rank's own compute time in a step: from the step's start until its gradients are ready.
+
+    Time spent waiting for slower ranks in the gradient all-reduce is not counted, so the numbers
+    say how fast each rank is, not how long the slowest one made it wait. ``lap()`` ends a stretch
+    of compute: after each ``no_sync`` micro-batch, and from DDP's communication hook when a
+    gradient bucket is ready (train/distributed.py).
+
+    ``slowdown`` is for the benchmark only: each lap then sleeps ``slowdown`` times the CPU time it
+    computed, so the rank behaves like a device ``1 / (1 + slowdown)`` times as fast.
+    """
+
+    slowdown: float = 0.0
+    last_compute_s: float = 0.0  # the previous step's, shared with everyone in the next step's all-reduce
+    gathered: list[float] = field(default_factory=list)  # every rank's previous-step compute time
+    _start: float = 0.0
+    _mark: float = 0.0
+    _cpu_mark: float = 0.0
+
+    def begin(self) -> None:
+        self._start = self._mark = time.perf_counter()
+        self._cpu_mark = time.process_time()
+
+    def lap(self) -> None:
+        if self.slowdown > 0:
+            # CPU time, not wall time: the emulated device is slower by its factor however busy this machine is.
+            time.sleep(self.slowdown * (time.process_time() - self._cpu_mark))
+            self._cpu_mark = time.process_time()
+        self._mark = time.perf_counter()
+
+    def end(self) -> None:
+        self.last_compute_s = self._mark - self._start
+
+
 def backward(
-    model: torch.nn.Module, micro_batches: Sequence[dict[str, torch.Tensor]], device: torch.device
+    model: torch.nn.Module,
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    device: torch.device,
+    clock: StepClock | None = None,
 ) -> tuple[float, int]:
     """Accumulate the token-weighted gradient of this rank's micro-batches; return (global mean loss, T)."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    local = sum(label_tokens(mb) for mb in micro_batches)
-    total = int(_all_reduce_sum(torch.tensor([local], dtype=torch.float64, device=device)).item())
+    clock = clock or StepClock()
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else 1
+    rank = dist.get_rank() if initialized else 0
+    stats = torch.zeros(1 + world, dtype=torch.float64, device=device)
+    stats[0] = sum(label_tokens(mb) for mb in micro_batches)
+    stats[1 + rank] = clock.last_compute_s
+    stats = _all_reduce_sum(stats)
+    total, clock.gathered = int(stats[0].item()), stats[1:].tolist()
+
+    clock.begin()
     scale = world / max(total, 1)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     last = len(micro_batches) - 1
+    ddp = isinstance(model, DistributedDataParallel)
     for i, batch in enumerate(micro_batches):
-        sync = i == last or not isinstance(model, DistributedDataParallel)
+        sync = i == last or not ddp
         with contextlib.nullcontext() if sync else cast(DistributedDataParallel, model).no_sync():
             loss = summed_loss(model, batch)
             (loss * scale).backward()
+        if not (ddp and sync):  # under DDP the communication hook ends the synchronizing backward's lap
+            clock.lap()
         loss_sum += loss.detach().double()
+    clock.end()
     global_loss = _all_reduce_sum(loss_sum) / max(total, 1)
     return float(global_loss.item()), total
 

@@ -52,18 +52,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", choices=["none", "auto"], default="none")
     parser.add_argument("--profile", type=Path, default=None, help="this host's memory profile (rank-local keys)")
     parser.add_argument("--code-dir", type=Path, default=Path.cwd(), help="base for relative paths in the job")
+    parser.add_argument("--benchmark", action="store_true", help=argparse.SUPPRESS)  # only `make bench` sets it
     return parser.parse_args(argv)
 
 
 def _load(args: argparse.Namespace, host: str) -> tuple[JobConfig | None, str | None]:
     """The job as this host runs it (profile merged), or why it cannot be used."""
     try:
-        job = load_job(args.job)
+        job = load_job(args.job, benchmark=args.benchmark)
         if args.profile is not None:
             job = apply_profile(job, load_profile(args.profile, host))
     except ConfigError as exc:
         return None, str(exc)
     return job, None
+
+
+def _slowdown(job: JobConfig, info: distributed.RankInfo) -> float:
+    """Benchmark only: how much longer than its compute this rank sleeps to emulate a slower device."""
+    if job.benchmark is None:
+        return 0.0
+    factors = job.benchmark.emulate_speed
+    if len(factors) != info.world_size:
+        raise ConfigError(
+            f"key 'benchmark.emulate_speed' has {len(factors)} factors for {info.world_size} ranks; give one per rank"
+        )
+    return 1.0 / factors[info.rank] - 1.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         distributed.agree(problem, info)  # a bad file on one host stops every rank, none waits
         assert job is not None
         distributed.check_same_job(job, info)
-        loop.run(job, info, run_dir, args.code_dir.resolve(), resume=args.resume == "auto")
+        loop.run(job, info, run_dir, args.code_dir.resolve(), args.resume == "auto", _slowdown(job, info))
         return 0
     except ConfigError as exc:
         log.error("configuration error: %s", exc)

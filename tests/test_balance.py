@@ -1,0 +1,107 @@
+"""Balanced training: slow ranks get smaller shares, the plan survives a resume, mismatches fail loudly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+from conftest import free_port, small_job, torchrun, write_job
+
+from train import distributed
+from train.config import ConfigError, JobConfig, load_job
+from train.distributed import RankInfo
+from train.metrics import read_metrics
+
+
+def test_the_benchmark_knob_is_refused_outside_the_benchmark(tmp_path: Path) -> None:
+    path = write_job(tmp_path / "job.yaml", benchmark={"emulate_speed": [1.0, 0.5]})
+    with pytest.raises(ConfigError, match=r"job.yaml: key 'benchmark' is only for `make bench`"):
+        load_job(path)
+    assert load_job(path, benchmark=True).benchmark is not None
+
+
+def test_a_profile_cannot_choose_the_balance(tmp_path: Path) -> None:
+    from train.config import load_profile
+
+    profile = tmp_path / "profile.yaml"
+    profile.write_text("balance: equal\n")
+    with pytest.raises(ConfigError, match=r"host node3070: key 'balance' is cluster-wide"):
+        load_profile(profile, "node3070")
+
+
+def test_gradients_are_compressed_only_across_hosts() -> None:
+    job = JobConfig.model_validate(small_job())
+    model = torch.nn.Linear(2, 2)
+
+    def info(*hosts: str) -> RankInfo:
+        return RankInfo(0, 0, len(hosts), hosts[0], torch.device("cpu"), 0, hosts)
+
+    assert distributed.compression(job, info("a", "a"), model) == "none"
+    assert distributed.compression(job, info("a", "b"), model) == "bf16"
+    forced = JobConfig.model_validate(small_job(distributed={"grad_compression": "none"}))
+    assert distributed.compression(forced, info("a", "b"), model) == "none"
+    assert distributed.compression(job, info("a", "b"), model.to(torch.bfloat16)) == "none"
+
+
+def _guard_rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
+        UGRO_HOST=["master", "node3070"][rank],
+    )  # fmt: skip
+    info = distributed.init(timeout_s=60)
+    job = JobConfig.model_validate(small_job(lora={"r": 16 if rank == 0 else 8}, data={"seq_len": 128 + 64 * rank}))
+    try:
+        distributed.check_same_job(job, info)
+        message = "no error"
+    except ConfigError as exc:
+        message = str(exc)
+    Path(out, f"rank{rank}.txt").write_text(message)
+    dist.destroy_process_group()
+
+
+def test_a_different_job_on_one_host_fails_every_rank_naming_host_and_keys(tmp_path: Path) -> None:
+    mp.spawn(_guard_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    messages = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert messages[0] == messages[1]  # one message, on every rank: nobody is left waiting
+    assert "host node3070 (rank 1) runs a different job than master" in messages[0]
+    assert "lora.r (16 on master vs 8)" in messages[0] and "data.seq_len (128 on master vs 192)" in messages[0]
+
+
+@pytest.mark.slow
+def test_a_slow_rank_gets_a_smaller_share_and_a_resume_on_more_ranks_plans_again(tmp_path: Path) -> None:
+    job = write_job(
+        tmp_path / "job.yaml",
+        balance="auto",
+        benchmark={"emulate_speed": [1.0, 0.4]},
+        distributed={"calibration_steps": 2},
+        train={"max_steps": 12, "global_batch_size": 10},
+        checkpoint={"every": 6},
+    )
+    run_dir = tmp_path / "run"
+    result = torchrun(job, run_dir, nproc=2, extra=("--benchmark",))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    status = json.loads((run_dir / "run.json").read_text())
+    shares = status["plan"]["shares"]
+    assert status["plan"]["source"] == "measured" and shares[0] >= 2 * shares[1], shares  # speeds 1.0 : 0.4
+    saved = torch.load(run_dir / "checkpoints" / "step-000012" / "state.pt", weights_only=False)
+    assert list(saved["plan"]["shares"]) == shares
+    rows = read_metrics(run_dir)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+    # Resume the step-6 checkpoint with 3 ranks: the 2-rank plan does not fit, so the run plans anew.
+    shutil.rmtree(run_dir / "checkpoints" / "step-000012")
+    three = yaml.safe_load(job.read_text()) | {"benchmark": {"emulate_speed": [1.0, 1.0, 1.0]}}
+    job.write_text(yaml.safe_dump(three))
+    result = torchrun(job, run_dir, nproc=3, resume="auto", extra=("--benchmark",))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = next((run_dir / "logs").glob("*-rank0.log")).read_text()
+    assert "resumed from" in log and "the checkpoint's plan is for 2 ranks, this run has 3: planning anew" in log
+    assert len(json.loads((run_dir / "run.json").read_text())["plan"]["shares"]) == 3
+    assert [r["step"] for r in read_metrics(run_dir)][-6:] == list(range(7, 13))

@@ -1,0 +1,78 @@
+"""The batch plan of a running job: where it starts, and when measured step times change it.
+
+``balance: equal`` and ``balance: {host: weight}`` fix the plan for the whole run. ``balance: auto``
+starts from equal shares (or from the plan in the checkpoint it resumes), times a few steps, then
+splits each global batch by measured speed and re-plans whenever the step times drift enough
+that a new plan would pay off (train/planner.py). A checkpoint written by a different number of
+ranks starts over from equal shares.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from train.config import ConfigError, JobConfig
+from train.distributed import RankInfo
+from train.planner import Plan, Telemetry, initial_plan, make_plan
+from train.step import StepClock
+
+log = logging.getLogger(__name__)
+
+
+def _gather_caps(info: RankInfo, cap: int) -> tuple[int, ...]:
+    if not dist.is_initialized():
+        return (cap,)
+    caps: list[int | None] = [None] * info.world_size
+    dist.all_gather_object(caps, cap)
+    return tuple(int(c) for c in caps if c is not None)
+
+
+class Balancer:
+    def __init__(self, job: JobConfig, info: RankInfo, saved: dict[str, Any] | None, slowdown: float = 0.0) -> None:
+        self.rank = info.rank
+        self.clock = StepClock(slowdown=slowdown)
+        caps = _gather_caps(info, job.rank_local.micro_batch_size)
+        self.plan = self._start(job, info, caps, saved)
+        self._ran_with = self.plan  # the plan of the step whose times arrive next
+        auto = job.balance == "auto" and info.world_size > 1
+        self.telemetry = (
+            Telemetry(info.world_size, job.distributed.calibration_steps, job.distributed.replan_threshold)
+            if auto
+            else None
+        )
+        log.info("batch plan (global batch %d) %s", job.train.global_batch_size, self.plan.describe())
+
+    @staticmethod
+    def _start(job: JobConfig, info: RankInfo, caps: tuple[int, ...], saved: dict[str, Any] | None) -> Plan:
+        global_batch = job.train.global_batch_size
+        if saved is not None and job.balance == "auto":
+            old = Plan.from_dict(saved)
+            if old.world_size == info.world_size:
+                return make_plan(global_batch, old.speeds, caps, old.source)
+            log.info("the checkpoint's plan is for %d ranks, this run has %d: planning anew", old.world_size, len(caps))
+        try:
+            return initial_plan(job.balance, global_batch, info.hosts, caps)
+        except ValueError as exc:
+            raise ConfigError(f"job key 'balance': {exc}") from None
+
+    def micro_sizes(self) -> list[int]:
+        return self.plan.micro_sizes(self.rank)
+
+    def after_step(self, warming_up: bool) -> Plan | None:
+        """Take in the step times that arrived with this step; a new plan for the next step, or None.
+
+        Times that arrive while ``warming_up`` (a run's first step: allocations, caches) are not used.
+        """
+        ran_with, self._ran_with = self._ran_with, self.plan
+        if self.telemetry is None or warming_up or not any(self.clock.gathered):
+            return None
+        self.telemetry.record(self.clock.gathered, ran_with)
+        proposal = self.telemetry.proposal(self.plan)
+        if proposal is None:
+            return None
+        self.plan = proposal
+        self.telemetry.adopted()
+        return proposal
