@@ -9,8 +9,9 @@ INVENTORY ?= inventory/local.yml
 RESUME    ?= none
 JOB_ID    ?=
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
-.PHONY: train preflight doctor status logs stop validate test lint typecheck venv lock clean help testbed-up testbed-down
+.PHONY: train preflight doctor status logs stop validate test bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -18,6 +19,8 @@ help:
 	@echo "make doctor [JOB_ID=...]   explain a failed run from its collected logs: host, cause, fix"
 	@echo "make status|logs|stop [INVENTORY=...] [JOB_ID=...]   the newest job (runs/latest) by default"
 	@echo "make test            the whole test suite (ansible-lint, ruff, mypy, pytest)"
+	@echo "make bench           balanced vs equal vs ideal on 3 emulated unequal ranks; trainer vs a bare loop"
+	@echo "make bench-ddp-init  bytes and time DDP broadcasts at start-up, plain vs ugro, on the test cluster (root)"
 	@echo "make testbed-up N=3 / make testbed-down   a test cluster of N hosts on this machine (root)"
 	@echo "make validate        check a job file without starting anything"
 	@echo "make lint            ansible-lint (production profile) and ruff"
@@ -57,6 +60,13 @@ test: venv lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
 # The test cluster on this machine (root): N hosts tb1..tbN, inventory in .testbed/inventory.yml.
+# Figures, not pass/fail: see train/bench.py. The last line printed is the balanced/ideal ratio.
+bench: venv
+	$(PY) -m train.bench run $(BENCH_ARGS)
+
+bench-ddp-init: venv
+	$(PY) -m train.ddpinit run
+
 testbed-up: venv
 	$(PY) molecule/testbed.py up --hosts $(or $(N),3) --dir .testbed
 

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -105,3 +106,14 @@ def test_a_slow_rank_gets_a_smaller_share_and_a_resume_on_more_ranks_plans_again
     assert "resumed from" in log and "the checkpoint's plan is for 2 ranks, this run has 3: planning anew" in log
     assert len(json.loads((run_dir / "run.json").read_text())["plan"]["shares"]) == 3
     assert [r["step"] for r in read_metrics(run_dir)][-6:] == list(range(7, 13))
+
+
+@pytest.mark.slow
+def test_ddp_start_up_does_not_broadcast_the_frozen_base_across_hosts(testbed: Any) -> None:
+    """On the 3-host test cluster: plain DDP sends the whole base at construction, ugro only the LoRA weights."""
+    from train.ddpinit import measure_on_testbed
+
+    figures = measure_on_testbed(testbed, hidden=256, layers=2, vocab=4096)
+    assert figures["world_size"] == 3
+    assert figures["plain_bytes"] > 4 * 2**20  # the base: embeddings, layers, head
+    assert figures["ugro_bytes"] < figures["plain_bytes"] / 50  # LoRA A/B only

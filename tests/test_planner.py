@@ -35,7 +35,7 @@ def test_shares_follow_speed_and_micro_batches_respect_the_memory_cap() -> None:
 def test_host_weights_and_missing_host() -> None:
     plan = initial_plan({"master": 3, "node": 1}, 16, ["master", "node", "node"], [4, 4, 4])
     assert plan.shares == (10, 3, 3)
-    with pytest.raises(ValueError, match="no weight for host.*node3070"):
+    with pytest.raises(ValueError, match=r"no weight for host.*node3070"):
         initial_plan({"master": 3}, 16, ["master", "node3070"], [4, 4])
     with pytest.raises(ValueError, match=r"global_batch_size \(2\).*3"):
         initial_plan("equal", 2, ["a", "b", "c"], [1, 1, 1])

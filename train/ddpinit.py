@@ -1,0 +1,172 @@
+"""`make bench-ddp-init`: what DDP sends at start-up, with and without the frozen base, on the test cluster.
+
+Plain ``DistributedDataParallel(model)`` broadcasts every parameter and buffer from rank 0 when it
+is built, the frozen base included, although every rank loaded the same base from disk. ugro's
+``train.distributed.wrap`` leaves frozen weights and buffers out. This command brings up the
+3-host test cluster (network namespaces, real SSH, gloo over veth; needs root), builds the same
+seeded random Llama + LoRA on every host, and times both constructions, reporting the bytes
+each broadcasts. Sizes default to a ~100M-parameter base so the difference is visible on a CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+from typing import Annotated, Any
+
+import torch
+import torch.distributed as dist
+import typer
+from rich.console import Console
+from rich.table import Table
+from torch.nn.parallel import DistributedDataParallel
+
+from train import distributed
+
+REPO = Path(__file__).resolve().parent.parent
+SUBNET = "10.213.11.0/24"  # its own subnet: runs beside `make test` and `make testbed-up`
+console = Console()
+app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0] if __doc__ else None)
+
+
+def _model(hidden: int, layers: int, vocab: int) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        vocab_size=vocab,
+    )
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    return get_peft_model(LlamaForCausalLM(config), lora)
+
+
+def _bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _timed(build: Any) -> float:
+    dist.barrier()
+    started = time.perf_counter()
+    ddp = build()
+    dist.barrier()
+    elapsed = time.perf_counter() - started
+    del ddp
+    gc.collect()
+    return elapsed
+
+
+@app.command("rank", hidden=True)
+def rank(hidden: int = 1024, layers: int = 8, vocab: int = 32000) -> None:
+    """Runs on every host under torchrun; rank 0 prints the figures as JSON."""
+    info = distributed.init(timeout_s=300)
+    model = _model(hidden, layers, vocab)
+    everything = [*model.parameters(), *model.buffers()]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    plain = _timed(lambda: DistributedDataParallel(model))
+    ugro = _timed(lambda: distributed.wrap(model, info))
+    if info.rank == 0:
+        figures = {
+            "world_size": info.world_size,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "plain_bytes": _bytes(everything),
+            "plain_s": plain,
+            "ugro_bytes": _bytes(trainable),
+            "ugro_s": ugro,
+        }
+        print("DDPINIT " + json.dumps(figures), flush=True)
+    distributed.shutdown()
+
+
+def _testbed_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("ugro_testbed", REPO / "molecule" / "testbed.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ugro_testbed"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure_on_testbed(bed: Any, hidden: int, layers: int, vocab: int) -> dict[str, Any]:
+    """torchrun on every test host over SSH (c10d rendezvous on the first); rank 0's figures."""
+    main = bed.hosts[0]
+    port = 29511
+
+    def launch(host: Any) -> subprocess.CompletedProcess[str]:
+        remote = (
+            f"cd {shlex.quote(str(REPO))} && GLOO_SOCKET_IFNAME={host.interface} OMP_NUM_THREADS=1 "
+            f"HF_HUB_OFFLINE=1 {shlex.quote(sys.executable)} -m torch.distributed.run --nnodes={len(bed.hosts)} "
+            f"--nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint={main.address}:{port} "
+            f"--local-addr={host.address} --max-restarts=0 -m train.ddpinit rank "
+            f"--hidden {hidden} --layers {layers} --vocab {vocab}"
+        )
+        return subprocess.run(
+            ["ssh", "-F", str(bed.ssh_config), host.name, remote], capture_output=True, text=True, timeout=600
+        )
+
+    with ThreadPoolExecutor(len(bed.hosts)) as pool:
+        results = list(pool.map(launch, bed.hosts))
+    for host, result in zip(bed.hosts, results, strict=True):
+        if result.returncode != 0:
+            raise RuntimeError(f"{host.name}: exit {result.returncode}\n{(result.stdout + result.stderr)[-2000:]}")
+    for result in results:
+        for line in result.stdout.splitlines():
+            if line.startswith("DDPINIT "):
+                return dict(json.loads(line.removeprefix("DDPINIT ")))
+    raise RuntimeError("no rank printed its figures")
+
+
+@app.command("run")
+def run(
+    hidden: Annotated[int, typer.Option(help="Hidden size of the random base model.")] = 1024,
+    layers: Annotated[int, typer.Option(help="Decoder layers of the random base model.")] = 8,
+    vocab: Annotated[int, typer.Option(help="Vocabulary size of the random base model.")] = 32000,
+    hosts: Annotated[int, typer.Option(help="Test hosts.")] = 3,
+) -> None:
+    """Bring up the test cluster, measure both DDP constructions, print the table, tear it down."""
+    testbed = _testbed_module()
+    with tempfile.TemporaryDirectory(prefix="ugro-ddpinit-") as tmp:
+        try:
+            bed = testbed.up(Path(tmp), hosts=hosts, subnet=SUBNET)
+        except testbed.TestbedError as exc:
+            console.print(f"[red]bench-ddp-init: no test cluster: {exc}[/red]")
+            raise typer.Exit(2) from None
+        try:
+            with console.status(f"DDP start-up on {hosts} test hosts, base {hidden}x{layers}, vocab {vocab}"):
+                figures = measure_on_testbed(bed, hidden, layers, vocab)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            console.print(f"[red]bench-ddp-init failed: {exc}[/red]")
+            raise typer.Exit(1) from None
+        finally:
+            testbed.down(Path(tmp))
+    params = figures["parameters"]
+    table = Table(title=f"DDP start-up broadcast, {hosts} test hosts (gloo over veth), {params:,} parameters")
+    for column in ("construction", "broadcast", "time", "projected at 1 Gb/s"):
+        table.add_column(column, justify="right" if column != "construction" else "left")
+    for name, key in (("plain DistributedDataParallel(model)", "plain"), ("ugro wrap (frozen base left out)", "ugro")):
+        size = figures[f"{key}_bytes"]
+        table.add_row(name, f"{size / 2**20:,.1f} MiB", f"{figures[f'{key}_s']:.2f} s", f"{size * 8 / 1e9:.2f} s")
+    console.print(table)
+    print(
+        f"DDP init: plain {figures['plain_bytes'] / 2**20:.1f} MiB in {figures['plain_s']:.2f} s, "
+        f"ugro {figures['ugro_bytes'] / 2**20:.2f} MiB in {figures['ugro_s']:.2f} s"
+    )
+
+
+if __name__ == "__main__":
+    app()
