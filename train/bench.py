@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -96,6 +97,7 @@ def _fail(what: str, log: Path, output: str) -> None:
 def _train(name: str, setup: Setup, balance: str, factors: tuple[float, ...], root: Path) -> float:
     """Run the trainer with one rank per (absolute) speed factor; its sequences/s over the measured steps."""
     run_dir = root / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time: the worker appends to what it finds
     job_file = root / f"{name}.yaml"
     job_file.write_text(yaml.safe_dump(_job(setup, balance, factors), sort_keys=False))
     cmd = [

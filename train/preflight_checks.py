@@ -316,6 +316,24 @@ def _clock_row(reports: dict[str, dict[str, Any]], rendezvous: str, t: Threshold
     return check
 
 
+def _running_row(facts: dict[str, dict[str, Any]]) -> Check:
+    """One job per host at a time: a live job holds the rendezvous port and the devices."""
+    check = Check("running job")
+    for host, f in facts.items():
+        running = f.get("running_job")
+        if not running:
+            check.cells[host] = Cell("PASS", "none")
+        else:
+            job = running["job"]
+            check.cells[host] = Cell(
+                "FAIL",
+                job[:24],
+                f"{host} already runs job {job}",
+                f"wait for it to finish (make status JOB_ID={job}) or stop it: make stop JOB_ID={job}",
+            )
+    return check
+
+
 def judge_fast(
     reports: dict[str, dict[str, Any]],
     unreachable: dict[str, str],
@@ -356,6 +374,7 @@ def judge_fast(
     report.checks.append(reach)
 
     facts = {h: r["facts"] for h, r in ok.items()}
+    report.checks.append(_running_row(facts))
     for row in VERSION_ROWS:
         values = {h: f["versions"].get(row) for h, f in facts.items()}
         if row == "python":

@@ -22,6 +22,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import platform
 import re
 import shutil
@@ -196,6 +197,23 @@ def _meminfo() -> dict[str, int]:
     return found
 
 
+def _running_job(code_dir: Path) -> dict[str, Any] | None:
+    """The job this host runs now: ``runs/active-job`` holds "<job id> <process group>" while it lives."""
+    try:
+        parts = (code_dir / "runs" / "active-job").read_text().split()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if len(parts) != 2 or not parts[1].isdigit():
+        return None
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return None  # left behind by a job that is gone: the launch replaces it
+    except PermissionError:
+        pass  # alive, owned by another user
+    return {"job": parts[0], "pgid": int(parts[1])}
+
+
 def facts(args: dict[str, Any]) -> dict[str, Any]:
     code_dir = Path(args["code_dir"])
     env_file = Path(args["env_file"])
@@ -216,6 +234,7 @@ def facts(args: dict[str, Any]) -> dict[str, Any]:
         "versions": versions,
         "gpu": _gpus(),
         "code": _code_hash(code_dir),
+        "running_job": _running_job(code_dir),
         "disk": _disk(Path(args["checkpoint_dir"])),
         "resolve": _resolve(args.get("names", {}), float(args.get("timeout_s", 3))),
         "interfaces": _interfaces(),
