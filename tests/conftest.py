@@ -122,6 +122,18 @@ def torchrun(
     )  # fmt: skip
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _keep_latest_run_link() -> Iterator[None]:
+    """Tests launch (and delete) jobs through the CLI; afterwards runs/latest points where it did before."""
+    link = REPO / "runs" / "latest"
+    before = os.readlink(link) if link.is_symlink() else None
+    yield
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    if before is not None:
+        link.symlink_to(before)
+
+
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -41,28 +41,39 @@ def test_host_weights_and_missing_host() -> None:
         initial_plan("equal", 2, ["a", "b", "c"], [1, 1, 1])
 
 
+def _times(plan: Plan, per_sequence: list[float]) -> list[float]:
+    return [s * t for s, t in zip(plan.shares, per_sequence, strict=True)]
+
+
 def test_telemetry_replans_once_measured_speeds_differ_then_stays() -> None:
     equal = initial_plan("equal", 24, ["a", "b", "c"], [4, 4, 4])
-    telemetry = Telemetry(3, warmup=2, threshold=0.1)
+    telemetry = Telemetry(3, patience=2, threshold=0.1)
     per_sequence = [0.10, 0.10 / 0.6, 0.10 / 0.5]  # speeds 1.0 / 0.6 / 0.5
 
-    def times(plan: Plan) -> list[float]:
-        return [s * t for s, t in zip(plan.shares, per_sequence, strict=True)]
-
-    telemetry.record(times(equal), equal)
+    telemetry.record(_times(equal, per_sequence), equal)
     assert telemetry.proposal(equal) is None  # not enough measurements yet
-    telemetry.record(times(equal), equal)
+    telemetry.record(_times(equal, per_sequence), equal)
     balanced = telemetry.proposal(equal)
     assert balanced is not None and balanced.source == "measured"
     assert balanced.step_time(per_sequence) < 0.8 * equal.step_time(per_sequence)
     telemetry.adopted()
-    for _ in range(5):
-        telemetry.record(times(balanced), balanced)
+    for _ in range(6):
+        telemetry.record(_times(balanced, per_sequence), balanced)
         assert telemetry.proposal(balanced) is None  # the balanced plan is kept: no thrashing
+
+
+def test_one_noisy_step_does_not_move_work() -> None:
+    plan = initial_plan("equal", 16, ["a", "b"], [4, 4])
+    telemetry = Telemetry(2, patience=3, threshold=0.1)
+    steady = [0.1, 0.1]
+    for step in range(12):
+        noisy = [0.1, 0.3] if step == 6 else steady  # rank 1 stalls once (another process, a page fault)
+        telemetry.record(_times(plan, noisy), plan)
+        assert telemetry.proposal(plan) is None
 
 
 def test_telemetry_ignores_noise_below_the_threshold() -> None:
     plan = initial_plan("equal", 12, ["a", "b"], [4, 4])
-    telemetry = Telemetry(2, warmup=1, threshold=0.1)
+    telemetry = Telemetry(2, patience=1, threshold=0.1)
     telemetry.record([0.60, 0.64], plan)  # 6 % apart: not worth a new plan
     assert telemetry.proposal(plan) is None

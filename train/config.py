@@ -93,7 +93,10 @@ class DistributedConfig(_Strict):
         "fp32 and the ranks span more than one host (a network link); none on a single host.",
     )
     calibration_steps: int = Field(
-        3, gt=0, description="balance: auto -- steps timed before the first measured plan, and between re-plans."
+        3,
+        gt=0,
+        description="balance: auto -- steps timed before the first measured plan and between re-plans; speeds "
+        "are the median of the last 2n-1 steps, so a single slow step never moves work.",
     )
     replan_threshold: float = Field(
         0.10,

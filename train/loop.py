@@ -100,13 +100,14 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             row = writer.log(done, loss, tokens, lr, grad_norm, sampler.epoch_of(done))
             if done % job.train.log_every == 0 or done in (start + 1, job.train.max_steps):
                 log.info(
-                    "step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f",
+                    "step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f ranks ready after %s s",
                     done,
                     job.train.max_steps,
                     loss,
                     lr,
                     grad_norm,
                     row["tokens_per_s"],
+                    "/".join(f"{t:.2f}" for t in balancer.clock.gathered),  # the step before: a balance check
                 )
         if done % job.checkpoint.every == 0 or done == job.train.max_steps:
             saved = checkpoint.save(

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import heapq
 import math
+import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -108,38 +110,41 @@ def initial_plan(
 
 
 class Telemetry:
-    """Per-rank seconds per sequence, smoothed over steps, and the decision to re-plan.
+    """Per-rank seconds per sequence over the last few steps, and the decision to re-plan.
 
     Each step every rank reports how long its own compute took (until its gradients were ready
     for the all-reduce, not counting time spent waiting for others). Everyone receives the same
-    numbers, so everyone reaches the same decision.
+    numbers, so everyone reaches the same decision. A rank's speed is the median of its last
+    ``2 * patience - 1`` steps, so one noisy step (another process on the host, a page fault)
+    never moves work; and after a plan change, ``patience`` steps are measured before the next.
     """
 
-    def __init__(self, world_size: int, warmup: int, threshold: float, smoothing: float = 0.5) -> None:
+    def __init__(self, world_size: int, patience: int, threshold: float) -> None:
         self.world_size = world_size
-        self.warmup = warmup  # measured steps needed before (re-)planning
+        self.patience = patience
         self.threshold = threshold
-        self.smoothing = smoothing
-        self.per_sequence: list[float] | None = None
+        self.samples: deque[list[float]] = deque(maxlen=2 * patience - 1)
         self.seen_since_plan = 0
 
+    @property
+    def per_sequence(self) -> list[float] | None:
+        if not self.samples:
+            return None
+        return [statistics.median(step[r] for step in self.samples) for r in range(self.world_size)]
+
     def record(self, compute_s: Sequence[float], plan: Plan) -> None:
-        sample = [t / s for t, s in zip(compute_s, plan.shares, strict=True)]
-        if self.per_sequence is None:
-            self.per_sequence = sample
-        else:
-            a = self.smoothing
-            self.per_sequence = [a * new + (1 - a) * old for new, old in zip(sample, self.per_sequence, strict=True)]
+        self.samples.append([t / s for t, s in zip(compute_s, plan.shares, strict=True)])
         self.seen_since_plan += 1
 
     def proposal(self, plan: Plan) -> Plan | None:
-        """A measured plan when it would shorten the step by more than the threshold, else None."""
-        if self.per_sequence is None or self.seen_since_plan < self.warmup:
+        """A measured plan when it would shorten the predicted step by more than the threshold, else None."""
+        per_sequence = self.per_sequence
+        if per_sequence is None or self.seen_since_plan < self.patience:
             return None
-        speeds = [1.0 / max(t, 1e-9) for t in self.per_sequence]
+        speeds = [1.0 / max(t, 1e-9) for t in per_sequence]
         top = max(speeds)
         candidate = make_plan(sum(plan.shares), [v / top for v in speeds], plan.caps, "measured")
-        now, then = plan.step_time(self.per_sequence), candidate.step_time(self.per_sequence)
+        now, then = plan.step_time(per_sequence), candidate.step_time(per_sequence)
         if candidate.shares == plan.shares or then > now * (1 - self.threshold):
             return None
         return candidate

@@ -57,7 +57,7 @@ class StepClock:
     of compute: after each ``no_sync`` micro-batch, and from DDP's communication hook when a
     gradient bucket is ready (train/distributed.py).
 
-    ``slowdown`` is for the benchmark only: each lap then sleeps ``slowdown`` times the CPU time it
+    ``slowdown`` is for the benchmark only: each lap then lasts ``1 + slowdown`` times the CPU time it
     computed, so the rank behaves like a device ``1 / (1 + slowdown)`` times as fast.
     """
 
@@ -74,8 +74,10 @@ class StepClock:
 
     def lap(self) -> None:
         if self.slowdown > 0:
-            # CPU time, not wall time: the emulated device is slower by its factor however busy this machine is.
-            time.sleep(self.slowdown * (time.process_time() - self._cpu_mark))
+            # The emulated device needs (1 + slowdown) x the CPU time this lap computed, measured from the lap's
+            # start: time the CPU spent on other processes is absorbed instead of added.
+            device_s = (1 + self.slowdown) * (time.process_time() - self._cpu_mark)
+            time.sleep(max(0.0, self._mark + device_s - time.perf_counter()))
             self._cpu_mark = time.process_time()
         self._mark = time.perf_counter()
 
