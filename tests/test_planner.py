@@ -56,7 +56,7 @@ def test_telemetry_replans_once_measured_speeds_differ_then_stays() -> None:
     balanced = telemetry.proposal(equal)
     assert balanced is not None and balanced.source == "measured"
     assert balanced.step_time(per_sequence) < 0.8 * equal.step_time(per_sequence)
-    telemetry.adopted()
+    telemetry.adopted(equal)
     for _ in range(6):
         telemetry.record(_times(balanced, per_sequence), balanced)
         assert telemetry.proposal(balanced) is None  # the balanced plan is kept: no thrashing
@@ -77,3 +77,19 @@ def test_telemetry_ignores_noise_below_the_threshold() -> None:
     telemetry = Telemetry(2, patience=1, threshold=0.1)
     telemetry.record([0.60, 0.64], plan)  # 6 % apart: not worth a new plan
     assert telemetry.proposal(plan) is None
+
+
+def test_a_split_that_measured_worse_is_not_tried_again() -> None:
+    """9 = 3+3+3 looks faster per sequence on paper but needs a third micro-batch; once measured, it stays out."""
+    even = initial_plan("equal", 16, ["a", "b"], [4, 4])
+    telemetry = Telemetry(2, patience=1, threshold=0.1)
+    telemetry.record([0.80, 1.04], even)  # rank 1 slowed for a while: 9/7 looks 10+ % better
+    uneven = telemetry.proposal(even)
+    assert uneven is not None and uneven.shares == (9, 7)
+    telemetry.adopted(even)
+    telemetry.record([1.20, 0.86], uneven)  # really slower: three small micro-batches on rank 0
+    back = telemetry.proposal(uneven)
+    assert back is not None and back.shares == (8, 8)
+    telemetry.adopted(uneven)
+    telemetry.record([0.80, 1.04], even)  # the same slow spell again
+    assert telemetry.proposal(even) is None  # 9/7 was tried and measured 1.20 s: no flip-flop

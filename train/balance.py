@@ -73,6 +73,6 @@ class Balancer:
         proposal = self.telemetry.proposal(self.plan)
         if proposal is None:
             return None
+        self.telemetry.adopted(self.plan)
         self.plan = proposal
-        self.telemetry.adopted()
         return proposal

@@ -125,6 +125,8 @@ class Telemetry:
         self.threshold = threshold
         self.samples: deque[list[float]] = deque(maxlen=2 * patience - 1)
         self.seen_since_plan = 0
+        self.step_times: list[float] = []  # slowest rank's ready time, each step of the current plan
+        self.tried: dict[tuple[int, ...], float] = {}  # shares -> median step time measured while in use
 
     @property
     def per_sequence(self) -> list[float] | None:
@@ -134,6 +136,7 @@ class Telemetry:
 
     def record(self, compute_s: Sequence[float], plan: Plan) -> None:
         self.samples.append([t / s for t, s in zip(compute_s, plan.shares, strict=True)])
+        self.step_times.append(max(compute_s))
         self.seen_since_plan += 1
 
     def proposal(self, plan: Plan) -> Plan | None:
@@ -147,7 +150,17 @@ class Telemetry:
         now, then = plan.step_time(per_sequence), candidate.step_time(per_sequence)
         if candidate.shares == plan.shares or then > now * (1 - self.threshold):
             return None
+        # The model is linear in the share; what a plan really did beats what the model says it would do:
+        # a plan already tried and measured no better than this one is not tried again (no flip-flopping
+        # between two splits whose micro-batch counts differ).
+        measured_before = self.tried.get(candidate.shares)
+        if measured_before is not None and measured_before > statistics.median(self.step_times) * (1 - self.threshold):
+            return None
         return candidate
 
-    def adopted(self) -> None:
+    def adopted(self, previous: Plan) -> None:
+        """A new plan replaces ``previous``; remember how long ``previous`` really took per step."""
+        if self.step_times:
+            self.tried[previous.shares] = statistics.median(self.step_times)
+        self.step_times = []
         self.seen_since_plan = 0
