@@ -40,35 +40,25 @@ def test_a_clean_run_has_no_finding() -> None:
     assert doctor.diagnose(FIXTURES / "clean") == []
 
 
-def test_the_cli_prints_json_and_fails_on_a_finding(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [PYTHON, "-m", "train.cli", "doctor", "--run-dir", str(FIXTURES / "cuda-oom"), "--json"],
+def _doctor(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PYTHON, "-m", "train.cli", "doctor", "--run-dir", str(run_dir), *args],
         cwd=REPO,
         env=run_env(),
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_the_cli_prints_json_and_fails_on_a_finding(tmp_path: Path) -> None:
+    result = _doctor(FIXTURES / "cuda-oom", "--json")
     assert result.returncode == 1, result.stderr
     found = json.loads(result.stdout)["findings"]
     assert [(f["host"], f["key"]) for f in found] == [("node3070", "cuda-oom")]
-    table = subprocess.run(
-        [PYTHON, "-m", "train.cli", "doctor", "--run-dir", str(FIXTURES / "clean")],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    table = _doctor(FIXTURES / "clean")
     assert table.returncode == 0 and "no known failure" in table.stdout, table.stdout + table.stderr
-    missing = subprocess.run(
-        [PYTHON, "-m", "train.cli", "doctor", "--run-dir", str(tmp_path / "nope")],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    missing = _doctor(tmp_path / "nope")
     assert (
         missing.returncode == 2
         and "no such run directory" in " ".join(missing.stderr.split())
