@@ -1,0 +1,389 @@
+#!/usr/bin/env python3
+"""A local stand-in for NVIDIA's CUDA apt repository, for the driver and CUDA roles' tests.
+
+It builds a *flat* apt repository (like NVIDIA's `.../repos/debian12/x86_64/`, used with
+`Suites: /`) of tiny dummy packages: the `cuda-keyring` package, the driver packages and
+`cuda-toolkit-12-8`, each at a PINNED and at a NEWER version, so a test can check that the pinned
+one is installed and held and that an upgrade does not pull the newer one. The index is signed
+with a throwaway GPG key made in a temporary GNUPGHOME (removed afterwards); the dummy
+`cuda-keyring` package ships that key where NVIDIA's ships theirs.
+
+    python molecule/aptrepo.py build DIR     # prints the RepoInfo as JSON (also written to DIR/repo.json)
+
+    from aptrepo import build                # load by path: `molecule` is also Molecule's package
+    info = build(Path("..."))
+
+The dummy `nvidia-smi` answers the queries ugro makes (`--query-gpu=...`, `--list-gpus`) with its
+own version; the dummy `nvcc` prints its release. Nothing runs at install time: no maintainer
+scripts, no dependencies outside the repository, so each installs in a fraction of a second on a
+Debian 12 minbase host.
+
+A build is cached: `DIR/.complete` holds a hash of the whole spec (packages, their files and
+this format's version); the same hash returns the recorded RepoInfo at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+FORMAT = 1  # bump when the layout changes without the spec changing
+
+KEYRING_PATH = "/usr/share/keyrings/cuda-archive-keyring.gpg"
+KEYRING_VERSION = "1.1-1"
+KEYRING_DEB = f"cuda-keyring_{KEYRING_VERSION}_all.deb"
+
+# The driver: one branch (>= 570, open kernel modules, what RTX 50 needs), a pinned and a newer release.
+DRIVER_PINNED = "570.172.08"
+DRIVER_NEWER = "570.195.03"
+# What the nvidia_driver role installs by default on Debian 12 with the open kernel modules (NVIDIA's
+# compute-only install: nvidia-driver-cuda + nvidia-kernel-open-dkms; nvidia-smi is its own package).
+DRIVER_PACKAGES = ("nvidia-kernel-open-dkms", "nvidia-driver-cuda", "nvidia-smi")
+
+# The CUDA toolkit 12.8 (CUDA >= 12.8 is what sm_120 needs): a pinned and a newer release.
+CUDA_PINNED = "12.8.0"
+CUDA_NEWER = "12.8.1"
+CUDA_PACKAGE = "cuda-toolkit-12-8"
+
+GPU_NAME = "NVIDIA GeForce RTX 5070 Ti"
+GPU_MEMORY_MIB = 12227
+
+NVIDIA_SMI = r"""#!/bin/sh
+# Dummy nvidia-smi from ugro's test apt repository (molecule/aptrepo.py): no GPU, no driver,
+# answers the queries ugro makes as a one-GPU host with driver @VERSION@ would.
+version=@VERSION@
+name="@GPU_NAME@"
+memory=@GPU_MEMORY@
+query=""
+nounits=0
+for arg in "$@"; do
+  case "$arg" in
+    -L|--list-gpus)
+      echo "GPU 0: $name (UUID: GPU-00000000-0000-0000-0000-000000000000)"
+      exit 0 ;;
+    --query-gpu=*) query="${arg#--query-gpu=}" ;;
+    --format=*nounits*) nounits=1 ;;
+    --format=*) ;;
+    -h|--help) echo "dummy nvidia-smi $version: --query-gpu=F,.. --format=csv[,noheader][,nounits] | -L"; exit 0 ;;
+    *) echo "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help." >&2; exit 2 ;;
+  esac
+done
+if [ -z "$query" ]; then
+  echo "NVIDIA-SMI $version    Driver Version: $version    CUDA Version: 12.8"
+  echo "|   0  $name    ${memory}MiB |"
+  exit 0
+fi
+out=""
+IFS=,
+for f in $query; do
+  case "$f" in
+    index) v=0 ;;
+    driver_version) v="$version" ;;
+    name) v="$name" ;;
+    memory.total) if [ "$nounits" = 1 ]; then v="$memory"; else v="$memory MiB"; fi ;;
+    memory.used) if [ "$nounits" = 1 ]; then v=0; else v="0 MiB"; fi ;;
+    compute_cap) v="12.0" ;;
+    *) echo "Field \"$f\" is not a valid field to query." >&2; exit 2 ;;
+  esac
+  out="${out:+$out, }$v"
+done
+echo "$out"
+"""
+
+NVCC = r"""#!/bin/sh
+# Dummy nvcc from ugro's test apt repository (molecule/aptrepo.py): prints its release, compiles nothing.
+echo "nvcc: NVIDIA (R) Cuda compiler driver"
+echo "Copyright (c) 2005-2025 NVIDIA Corporation"
+echo "Cuda compilation tools, release @RELEASE@, V@VERSION@"
+echo "Build cuda_@RELEASE@.r@RELEASE@/compiler.dummy_0"
+"""
+
+
+@dataclass(frozen=True)
+class Package:
+    """One dummy .deb: control fields and the files it ships (path -> (mode, content))."""
+
+    name: str
+    version: str
+    architecture: str = "amd64"
+    depends: tuple[str, ...] = ()
+    description: str = "dummy package for ugro's tests"
+    files: tuple[tuple[str, int, str], ...] = ()
+    section: str = "multiverse/devel"
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}_{self.version}_{self.architecture}.deb"
+
+    def control(self) -> str:
+        lines = [
+            f"Package: {self.name}",
+            f"Version: {self.version}",
+            f"Architecture: {self.architecture}",
+            "Maintainer: ugro tests <ugro@localhost>",
+            "Priority: optional",
+            f"Section: {self.section}",
+        ]
+        if self.depends:
+            lines.append(f"Depends: {', '.join(self.depends)}")
+        lines.append(f"Description: {self.description}")
+        lines.append(" Built by ugro's molecule/aptrepo.py for tests; installs nothing real.")
+        return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class RepoInfo:
+    """What a test needs to know about a built repository (also written to <dest>/repo.json)."""
+
+    dest: str
+    keyring_deb: str
+    keyring_path: str
+    driver_packages: list[str]
+    driver_pinned: str
+    driver_newer: str
+    cuda_package: str
+    cuda_pinned: str
+    cuda_newer: str
+    packages: list[str] = field(default_factory=list)
+
+    @property
+    def driver_pinned_deb_version(self) -> str:
+        return f"{self.driver_pinned}-1"
+
+    @property
+    def driver_newer_deb_version(self) -> str:
+        return f"{self.driver_newer}-1"
+
+    @property
+    def cuda_pinned_deb_version(self) -> str:
+        return f"{self.cuda_pinned}-1"
+
+    @property
+    def cuda_newer_deb_version(self) -> str:
+        return f"{self.cuda_newer}-1"
+
+
+def _driver_packages(version: str) -> list[Package]:
+    deb_version = f"{version}-1"
+    smi = (
+        NVIDIA_SMI.replace("@VERSION@", version)
+        .replace("@GPU_NAME@", GPU_NAME)
+        .replace("@GPU_MEMORY@", str(GPU_MEMORY_MIB))
+    )
+    return [
+        Package(
+            "nvidia-kernel-open-dkms",
+            deb_version,
+            description=f"NVIDIA open kernel modules {version} (dummy)",
+            files=((f"/usr/src/nvidia-{version}/README.ugro", 0o644, "dummy: no kernel module here\n"),),
+            section="non-free/kernel",
+        ),
+        Package(
+            "nvidia-smi",
+            deb_version,
+            description=f"NVIDIA System Management Interface {version} (dummy)",
+            files=(("/usr/bin/nvidia-smi", 0o755, smi),),
+            section="non-free/utils",
+        ),
+        Package(
+            "nvidia-driver-cuda",
+            deb_version,
+            depends=(f"nvidia-smi (= {deb_version})", f"nvidia-kernel-open-dkms (= {deb_version})"),
+            description=f"NVIDIA driver CUDA integration components {version} (dummy)",
+            section="non-free/libs",
+        ),
+    ]
+
+
+def _cuda_package(version: str) -> Package:
+    release = ".".join(version.split(".")[:2])
+    nvcc = NVCC.replace("@VERSION@", version).replace("@RELEASE@", release)
+    return Package(
+        CUDA_PACKAGE,
+        f"{version}-1",
+        description=f"CUDA Toolkit {version} meta-package (dummy)",
+        files=((f"/usr/local/cuda-{release}/bin/nvcc", 0o755, nvcc),),
+    )
+
+
+def _keyring_package(public_key: bytes) -> Package:
+    # The key is binary; it travels through the spec as hex and is written back as bytes.
+    return Package(
+        "cuda-keyring",
+        KEYRING_VERSION,
+        architecture="all",
+        description="GPG keyring for the (dummy) CUDA repository",
+        files=((KEYRING_PATH, 0o644, "hex:" + public_key.hex()),),
+        section="misc",
+    )
+
+
+def spec() -> list[Package]:
+    """Every package except the keyring (whose content is the key made at build time)."""
+    return [
+        *_driver_packages(DRIVER_PINNED),
+        *_driver_packages(DRIVER_NEWER),
+        _cuda_package(CUDA_PINNED),
+        _cuda_package(CUDA_NEWER),
+    ]
+
+
+def spec_hash() -> str:
+    payload = json.dumps(
+        {"format": FORMAT, "keyring": [KEYRING_PATH, KEYRING_VERSION], "packages": [asdict(p) for p in spec()]},
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> bytes:
+    done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (rc {done.returncode}): {done.stderr.decode(errors='replace')}")
+    return done.stdout
+
+
+def _build_deb(package: Package, stage: Path, out: Path) -> None:
+    root = stage / f"{package.name}_{package.version}"
+    (root / "DEBIAN").mkdir(parents=True)
+    (root / "DEBIAN" / "control").write_text(package.control())
+    for path, mode, content in package.files:
+        target = root / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if content.startswith("hex:"):
+            target.write_bytes(bytes.fromhex(content[4:]))
+        else:
+            target.write_text(content)
+        target.chmod(mode)
+    _run(["dpkg-deb", "--root-owner-group", "-Zgzip", "-z1", "--build", str(root), str(out / package.filename)])
+
+
+def _hashes(data: bytes) -> dict[str, str]:
+    return {name: hashlib.new(name, data).hexdigest() for name in ("md5", "sha1", "sha256", "sha512")}
+
+
+def _packages_index(packages: list[Package], dest: Path) -> bytes:
+    stanzas = []
+    for package in packages:
+        data = (dest / package.filename).read_bytes()
+        digest = _hashes(data)
+        control = package.control().rstrip("\n").split("\n")
+        # Filename, Size and the hashes go after the Description's first line's fields, like dpkg-scanpackages.
+        desc_at = next(i for i, line in enumerate(control) if line.startswith("Description:"))
+        extra = [
+            f"Filename: ./{package.filename}",
+            f"Size: {len(data)}",
+            f"MD5sum: {digest['md5']}",
+            f"SHA1: {digest['sha1']}",
+            f"SHA256: {digest['sha256']}",
+            f"SHA512: {digest['sha512']}",
+        ]
+        stanzas.append("\n".join(control[:desc_at] + extra + control[desc_at:]) + "\n")
+    return "\n".join(stanzas).encode()
+
+
+def _release(files: dict[str, bytes]) -> str:
+    lines = [
+        "Origin: ugro-test",
+        "Label: ugro test CUDA repository (dummy)",
+        "Architectures: amd64 all",
+        f"Date: {datetime.now(UTC).strftime('%a, %d %b %Y %H:%M:%S UTC')}",
+        "Acquire-By-Hash: no",
+    ]
+    for field_name, algo in (("MD5Sum", "md5"), ("SHA1", "sha1"), ("SHA256", "sha256"), ("SHA512", "sha512")):
+        lines.append(f"{field_name}:")
+        for name, data in sorted(files.items()):
+            lines.append(f" {hashlib.new(algo, data).hexdigest()} {len(data):>8} {name}")
+    return "\n".join(lines) + "\n"
+
+
+def _info(dest: Path, packages: list[Package]) -> RepoInfo:
+    return RepoInfo(
+        dest=str(dest),
+        keyring_deb=KEYRING_DEB,
+        keyring_path=KEYRING_PATH,
+        driver_packages=list(DRIVER_PACKAGES),
+        driver_pinned=DRIVER_PINNED,
+        driver_newer=DRIVER_NEWER,
+        cuda_package=CUDA_PACKAGE,
+        cuda_pinned=CUDA_PINNED,
+        cuda_newer=CUDA_NEWER,
+        packages=[p.filename for p in packages],
+    )
+
+
+def build(dest: Path) -> RepoInfo:
+    """Build the repository in `dest` (made if missing; its old content is replaced) unless it is current."""
+    dest = Path(dest).resolve()
+    wanted = spec_hash()
+    marker = dest / ".complete"
+    if marker.is_file() and marker.read_text().strip() == wanted and (dest / "repo.json").is_file():
+        return RepoInfo(**json.loads((dest / "repo.json").read_text()))
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    work = Path(tempfile.mkdtemp(prefix="ugro-aptrepo-"))
+    try:
+        gnupg = work / "g"  # short: gpg-agent's socket path must fit in 108 bytes
+        gnupg.mkdir(mode=0o700)
+        env = {**os.environ, "GNUPGHOME": str(gnupg)}
+        try:
+            gpg = ["gpg", "--batch", "--quiet", "--no-tty"]
+            _run(
+                [
+                    *gpg,
+                    "--passphrase",
+                    "",
+                    "--quick-gen-key",
+                    "ugro test repository <ugro@localhost>",
+                    "ed25519",
+                    "sign",
+                    "never",
+                ],
+                env=env,
+            )
+            public_key = _run([*gpg, "--export"], env=env)
+            packages = [_keyring_package(public_key), *spec()]
+            for package in packages:
+                _build_deb(package, work / "stage", dest)
+            (dest / "cuda-archive-keyring.gpg").write_bytes(public_key)
+            index = _packages_index(packages, dest)
+            (dest / "Packages").write_bytes(index)
+            (dest / "Packages.gz").write_bytes(gzip.compress(index, mtime=0))
+            (dest / "Release").write_text(_release({"Packages": index, "Packages.gz": gzip.compress(index, mtime=0)}))
+            _run([*gpg, "--yes", "--clearsign", "-o", str(dest / "InRelease"), str(dest / "Release")], env=env)
+            _run([*gpg, "--yes", "-abs", "-o", str(dest / "Release.gpg"), str(dest / "Release")], env=env)
+        finally:
+            subprocess.run(["gpgconf", "--kill", "all"], env=env, capture_output=True, check=False)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    info = _info(dest, packages)
+    (dest / "repo.json").write_text(json.dumps(asdict(info), indent=2) + "\n")
+    marker.write_text(wanted + "\n")
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", required=True)
+    build_cmd = sub.add_parser("build", help="build (or reuse) the repository in DIR and print its RepoInfo as JSON")
+    build_cmd.add_argument("dir", type=Path)
+    args = parser.parse_args(argv)
+    info = build(args.dir)
+    json.dump(asdict(info), sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
