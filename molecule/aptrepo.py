@@ -37,7 +37,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-FORMAT = 1  # bump when the layout changes without the spec changing
+FORMAT = 2  # bump when the layout changes without the spec changing
+EPOCH = 1735689600  # 2025-01-01: every file's mtime in the .debs
 
 KEYRING_PATH = "/usr/share/keyrings/cuda-archive-keyring.gpg"
 KEYRING_VERSION = "1.1-1"
@@ -265,7 +266,11 @@ def _build_deb(package: Package, stage: Path, out: Path) -> None:
         else:
             target.write_text(content)
         target.chmod(mode)
-    _run(["dpkg-deb", "--root-owner-group", "-Zgzip", "-z1", "--build", str(root), str(out / package.filename)])
+    # Reproducible: the same spec gives byte-identical .debs (an apt proxy may have cached the old ones).
+    for staged in [root, *root.rglob("*")]:
+        os.utime(staged, (EPOCH, EPOCH), follow_symlinks=False)
+    env = {**os.environ, "SOURCE_DATE_EPOCH": str(EPOCH)}
+    _run(["dpkg-deb", "--root-owner-group", "-Zgzip", "-z1", "--build", str(root), str(out / package.filename)], env)
 
 
 def _hashes(data: bytes) -> dict[str, str]:
@@ -322,55 +327,70 @@ def _info(dest: Path, packages: list[Package]) -> RepoInfo:
     )
 
 
-def build(dest: Path) -> RepoInfo:
-    """Build the repository in `dest` (made if missing; its old content is replaced) unless it is current."""
-    dest = Path(dest).resolve()
-    wanted = spec_hash()
+def _current(dest: Path, wanted: str) -> RepoInfo | None:
     marker = dest / ".complete"
     if marker.is_file() and marker.read_text().strip() == wanted and (dest / "repo.json").is_file():
         return RepoInfo(**json.loads((dest / "repo.json").read_text()))
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    work = Path(tempfile.mkdtemp(prefix="ugro-aptrepo-"))
+    return None
+
+
+def _sign_and_index(out: Path, work: Path) -> list[Package]:
+    gnupg = work / "g"  # short: gpg-agent's socket path must fit in 108 bytes
+    gnupg.mkdir(mode=0o700)
+    env = {**os.environ, "GNUPGHOME": str(gnupg)}
+    gpg = ["gpg", "--batch", "--quiet", "--no-tty"]
     try:
-        gnupg = work / "g"  # short: gpg-agent's socket path must fit in 108 bytes
-        gnupg.mkdir(mode=0o700)
-        env = {**os.environ, "GNUPGHOME": str(gnupg)}
-        try:
-            gpg = ["gpg", "--batch", "--quiet", "--no-tty"]
-            _run(
-                [
-                    *gpg,
-                    "--passphrase",
-                    "",
-                    "--quick-gen-key",
-                    "ugro test repository <ugro@localhost>",
-                    "ed25519",
-                    "sign",
-                    "never",
-                ],
-                env=env,
-            )
-            public_key = _run([*gpg, "--export"], env=env)
-            packages = [_keyring_package(public_key), *spec()]
-            for package in packages:
-                _build_deb(package, work / "stage", dest)
-            (dest / "cuda-archive-keyring.gpg").write_bytes(public_key)
-            index = _packages_index(packages, dest)
-            (dest / "Packages").write_bytes(index)
-            (dest / "Packages.gz").write_bytes(gzip.compress(index, mtime=0))
-            (dest / "Release").write_text(_release({"Packages": index, "Packages.gz": gzip.compress(index, mtime=0)}))
-            _run([*gpg, "--yes", "--clearsign", "-o", str(dest / "InRelease"), str(dest / "Release")], env=env)
-            _run([*gpg, "--yes", "-abs", "-o", str(dest / "Release.gpg"), str(dest / "Release")], env=env)
-        finally:
-            subprocess.run(["gpgconf", "--kill", "all"], env=env, capture_output=True, check=False)
+        uid = "ugro test repository <ugro@localhost>"
+        _run([*gpg, "--passphrase", "", "--quick-gen-key", uid, "ed25519", "sign", "never"], env=env)
+        public_key = _run([*gpg, "--export"], env=env)
+        packages = [_keyring_package(public_key), *spec()]
+        for package in packages:
+            _build_deb(package, work / "stage", out)
+        (out / "cuda-archive-keyring.gpg").write_bytes(public_key)
+        index = _packages_index(packages, out)
+        packages_gz = gzip.compress(index, mtime=0)
+        (out / "Packages").write_bytes(index)
+        (out / "Packages.gz").write_bytes(packages_gz)
+        (out / "Release").write_text(_release({"Packages": index, "Packages.gz": packages_gz}))
+        _run([*gpg, "--yes", "--clearsign", "-o", str(out / "InRelease"), str(out / "Release")], env=env)
+        _run([*gpg, "--yes", "-abs", "-o", str(out / "Release.gpg"), str(out / "Release")], env=env)
+    finally:
+        subprocess.run(["gpgconf", "--kill", "all"], env=env, capture_output=True, check=False)
+    return packages
+
+
+def build(dest: Path) -> RepoInfo:
+    """Build the repository in `dest` unless it is current; an outdated one is replaced whole.
+
+    The new repository is built beside `dest` and renamed into place, so a server of `dest` (or a
+    second build racing this one) never sees half a repository.
+    """
+    dest = Path(dest).resolve()
+    wanted = spec_hash()
+    current = _current(dest, wanted)
+    if current is not None:
+        return current
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ugro-aptrepo-"))
+    out = Path(tempfile.mkdtemp(prefix=f".{dest.name}-new-", dir=dest.parent))
+    try:
+        out.chmod(0o755)
+        packages = _sign_and_index(out, work)
+        info = _info(dest, packages)
+        (out / "repo.json").write_text(json.dumps(asdict(info), indent=2) + "\n")
+        (out / ".complete").write_text(wanted + "\n")
+        current = _current(dest, wanted)  # another build finished first: keep its key, drop ours
+        if current is not None:
+            return current
+        old = dest.parent / f".{dest.name}-old-{os.getpid()}"
+        if dest.exists():
+            dest.rename(old)
+        out.rename(dest)
+        shutil.rmtree(old, ignore_errors=True)
+        return info
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    info = _info(dest, packages)
-    (dest / "repo.json").write_text(json.dumps(asdict(info), indent=2) + "\n")
-    marker.write_text(wanted + "\n")
-    return info
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
