@@ -11,7 +11,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: train preflight doctor status logs stop validate test bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down
+.PHONY: train preflight doctor status logs stop validate test bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -58,6 +58,16 @@ typecheck: venv
 
 test: venv lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+	$(MAKE) molecule
+
+# Every role's Molecule scenario (converge, idempotence, verify) on rootfs test hosts (root);
+# SCENARIO=<role> runs one. The first run debootstraps the test hosts' Debian 12 (~3 min, cached).
+molecule: venv
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" molecule test $(if $(SCENARIO),-s $(SCENARIO),--all)
+
+# Provision the hosts of INVENTORY (driver, CUDA, Python env, network, firewall, NCCL env, profile).
+provision: venv
+	$(VENV)/bin/ansible-playbook -i $(INVENTORY) playbooks/provision.yml $(ANSIBLE_ARGS)
 
 # The test cluster on this machine (root): N hosts tb1..tbN, inventory in .testbed/inventory.yml.
 # Figures, not pass/fail: see train/bench.py. The last line printed is the balanced/ideal ratio.
@@ -68,7 +78,7 @@ bench-ddp-init: venv
 	$(PY) -m train.ddpinit run
 
 testbed-up: venv
-	$(PY) molecule/testbed.py up --hosts $(or $(N),3) --dir .testbed
+	$(PY) molecule/testbed.py up --hosts $(or $(N),3) --dir .testbed $(if $(ROOTFS),--rootfs)
 
 testbed-down:
 	$(PY) molecule/testbed.py down --dir .testbed

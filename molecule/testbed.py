@@ -48,6 +48,22 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _sibling(name: str) -> Any:
+    """A module beside this file, loaded by path (`molecule` is also the Molecule package's name)."""
+    import importlib.util
+
+    full = f"ugro_testbed_{name}"
+    if full not in sys.modules:
+        spec = importlib.util.spec_from_file_location(full, Path(__file__).resolve().parent / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module  # dataclasses look their module up while the class is built
+        spec.loader.exec_module(module)
+    return sys.modules[full]
+
+
 # Not resolved: the venv's python is a symlink, and only the venv path gives the venv's packages.
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 
@@ -89,6 +105,8 @@ class Testbed:
     bridge: str
     bridge_address: str
     subnet: str
+    rootfs: bool = False
+    outside_address: str = ""
 
     __test__ = False
 
@@ -118,6 +136,8 @@ def _testbed_from_state(state: dict[str, Any]) -> Testbed:
         bridge=state["bridge"],
         bridge_address=state["bridge_address"],
         subnet=state["subnet"],
+        rootfs=bool(state.get("rootfs")),
+        outside_address=state.get("outside_address", ""),
     )
 
 
@@ -248,7 +268,8 @@ def _stop_processes(procs: Sequence[dict[str, Any]], grace_s: float = 2.0) -> li
                     inits.append({"pid": kid, "starttime": stat[2], "role": "init", "host": proc.get("host")})
     members = sorted({pid for init in inits for pid in _namespace_members(init)})
     _signal(members, signal.SIGTERM)
-    _signal([int(p["pid"]) for p in procs if p.get("role") == "sshd" and _is_ours(p)], signal.SIGTERM)
+    services = ("sshd", "apt-proxy", "apt-repo")
+    _signal([int(p["pid"]) for p in procs if p.get("role") in services and _is_ours(p)], signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(set(_namespace_members(i)) - {int(i["pid"])} for i in inits):
         time.sleep(0.03)
@@ -507,6 +528,9 @@ def _wait_for_sshd(state: dict[str, Any], popens: dict[str, subprocess.Popen[byt
                 log = Path(state["dir"], name, "sshd.log")
                 tail = log.read_text()[-1500:] if log.exists() else ""
                 raise TestbedError(f"host {name}: bwrap/sshd exited with {popens[name].returncode}:\n{tail}")
+            for service in state.get("services", []):
+                if not _is_ours(service):
+                    raise TestbedError(f"{service['role']} exited; see {service['log']}")
             if _banner(host["address"]):
                 del pending[name]
         if pending and time.monotonic() > deadline:
@@ -527,9 +551,52 @@ def _control_path_dir(directory: Path, suffix: str) -> str:
     return str(inside) if len(str(inside)) <= 48 else f"/tmp/ugro-testbed-cp-{suffix}"
 
 
+def _write_rootfs_inventory(state: dict[str, Any]) -> None:
+    """Hosts of their own Debian: Ansible uses their Python, and nothing of this machine's is theirs."""
+    directory = Path(state["dir"])
+    hosts = {
+        h["name"]: {
+            "ansible_host": h["address"],
+            "ansible_user": "root",
+            "ansible_ssh_private_key_file": str(directory / "id_ed25519"),
+            "ansible_ssh_common_args": SSH_OPTS,
+            "ansible_control_path_dir": state["control_path_dir"],
+            "ansible_python_interpreter": "/usr/bin/python3",
+            "ugro_cluster_address": h["address"],
+            "testbed_interface": h["interface"],
+            "testbed_namespace": h["namespace"],
+        }
+        for h in state["hosts"]
+    }
+    repo = state.get("apt_repo", {})
+    group_vars = {
+        "testbed_bridge_address": state["bridge_address"],
+        "testbed_subnet": state["subnet"],
+        "testbed_outside_address": state["outside_address"],
+        "testbed_apt_proxy": state["apt_proxy"],
+        "testbed_apt_repo_url": repo.get("url", ""),
+        "testbed_apt_repo_keyring_url": repo.get("keyring_url", ""),
+        "testbed_apt_repo": repo,
+    }
+    inventory = {"all": {"vars": group_vars, "children": {"ugro_cluster": {"hosts": hosts}}}}
+    header = (
+        "# Written by molecule/testbed.py: test hosts with their own Debian 12 root filesystem\n"
+        "# (network namespaces + bubblewrap + overlay + sshd), packages through the apt proxy.\n"
+    )
+    (directory / "inventory.yml").write_text(header + "---\n" + yaml.safe_dump(inventory, sort_keys=False))
+    (directory / "ssh_config").write_text("\n".join(
+        f"Host {h['name']}\n  HostName {h['address']}\n  User root\n  IdentityFile {directory / 'id_ed25519'}\n"
+        "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
+        for h in state["hosts"]
+    ))  # fmt: skip
+
+
 def _write_inventory(state: dict[str, Any]) -> None:
     directory = Path(state["dir"])
     key = str(directory / "id_ed25519")
+    if state.get("rootfs"):
+        _write_rootfs_inventory(state)
+        return
     hosts = {
         h["name"]: {
             "ansible_host": h["address"],
@@ -572,6 +639,87 @@ def _write_inventory(state: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# Hosts with a root filesystem of their own (--rootfs), and the services they get packages from.
+
+APT_REPO_PORT = 8642
+
+
+def _outside_network(net: ipaddress.IPv4Network) -> ipaddress.IPv4Network:
+    """A network beside the cluster subnet (10.213.12.0/24 -> 10.214.12.0/24): "the rest of the LAN"."""
+    return ipaddress.IPv4Network((int(net.network_address) + (1 << 16), net.prefixlen))
+
+
+def _wait_listening(address: str, port: int, service: dict[str, Any], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection((address, port), timeout=0.5):
+            return
+        if not _is_ours(service):
+            break
+        time.sleep(0.05)
+    log = Path(service["log"])
+    tail = log.read_text()[-1500:] if log.is_file() else ""
+    raise TestbedError(f"{service['role']} is not listening on {address}:{port}; {log}:\n{tail}")
+
+
+def _start_service(state: dict[str, Any], role: str, argv: list[str], port: int) -> None:
+    log_path = Path(state["dir"]) / f"{role}.log"
+    with open(log_path, "wb") as log:
+        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # fmt: skip
+    _record_process(state, popen.pid, role, "controller")
+    service = {**state["processes"][-1], "log": str(log_path)}
+    state.setdefault("services", []).append(service)
+    _write_state(state)
+    _wait_listening(state["bridge_address"], port, service)
+
+
+def _start_services(state: dict[str, Any]) -> None:
+    """The apt proxy (Debian's packages) and the local apt repository (dummy NVIDIA packages)."""
+    rootfs = _sibling("rootfs")
+    address = state["bridge_address"]
+    _start_service(state, "apt-proxy", rootfs.acng_argv(Path(state["dir"]), address), rootfs.ACNG_PORT)
+    state["apt_proxy"] = f"http://{address}:{rootfs.ACNG_PORT}"
+    if not (Path(__file__).resolve().parent / "aptrepo.py").is_file():
+        return
+    try:
+        info = _sibling("aptrepo").build(rootfs.cache_dir() / "aptrepo")
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        raise TestbedError(f"building the local apt repository failed: {exc}") from exc
+    argv = [sys.executable, "-m", "http.server", str(APT_REPO_PORT), "--bind", address, "--directory", str(info.dest)]
+    _start_service(state, "apt-repo", argv, APT_REPO_PORT)
+    url = f"http://{address}:{APT_REPO_PORT}/"
+    state["apt_repo"] = {
+        "url": url,
+        "keyring_url": url + info.keyring_deb,
+        **{k: v for k, v in vars(info).items() if k not in ("dest", "keyring_deb")},
+    }
+    _write_state(state)
+
+
+def _rootfs_paths(state: dict[str, Any], name: str) -> dict[str, Path]:
+    base = Path(state["dir"]) / name
+    return {sub: base / sub for sub in ("upper", "work", "root")}
+
+
+def _prepare_rootfs_host(state: dict[str, Any], host: dict[str, Any], pubkey: str) -> None:
+    paths = _rootfs_paths(state, host["name"])
+    for path in paths.values():
+        path.mkdir(parents=True, mode=0o755)
+    state["mounts"].append(str(paths["root"]))
+    _write_state(state)
+    layers = f"lowerdir={state['rootfs']},upperdir={paths['upper']},workdir={paths['work']}"
+    _run("mount", "-t", "overlay", f"ugro-{host['name']}-{state['suffix']}", "-o", layers, str(paths["root"]))
+    _sibling("rootfs").prepare_root(paths["root"], host["name"], host["address"], SSH_PORT, pubkey, state["apt_proxy"])
+
+
+def _rootfs_bwrap_argv(state: dict[str, Any], host: dict[str, Any], info_fd: int) -> list[str]:
+    root = _rootfs_paths(state, host["name"])["root"]
+    inner = _sibling("rootfs").bwrap_argv(_tool("bwrap"), root, host["name"], info_fd)
+    return [_tool("ip"), "netns", "exec", host["namespace"], *inner]
+
+
+# --------------------------------------------------------------------------------------------------
 # up / down.
 
 
@@ -583,8 +731,16 @@ def up(
     *,
     install: bool = True,
     timeout_s: float = 20.0,
+    rootfs: bool = False,
 ) -> Testbed:
-    """Bring up `hosts` testbed hosts tb1..tbN; on any failure undo everything and raise TestbedError."""
+    """Bring up `hosts` testbed hosts tb1..tbN; on any failure undo everything and raise TestbedError.
+
+    With `rootfs`, every host has a Debian 12 root filesystem of its own (an overlay over a cached
+    debootstrap) instead of sharing this machine's, its packages come through an apt proxy on the
+    bridge, and a local apt repository with dummy NVIDIA packages is served beside it: what the
+    provisioning roles' Molecule scenarios need. The bridge also gets an address outside the subnet
+    (`outside_address`) that the hosts route to, to test what is refused from outside the subnet.
+    """
     directory = Path(directory).resolve()
     if os.geteuid() != 0:
         raise TestbedError("the testbed needs root (network namespaces, bridges, bind mounts)")
@@ -607,6 +763,15 @@ def up(
         raise TestbedError(f"{directory} exists and is not an empty directory: `down` would remove it whole")
     ensure_tools(install)
     _check_subnet_free(net)
+    outside = _outside_network(net)
+    base = None
+    if rootfs:
+        _check_subnet_free(outside)
+        try:
+            base = _sibling("rootfs").ensure_base()
+            _sibling("rootfs").ensure_proxy_tools()
+        except RuntimeError as exc:
+            raise TestbedError(str(exc)) from exc
 
     suffix = _suffix(directory)
     host_list = [
@@ -640,6 +805,9 @@ def up(
         "mounts": [],
         "processes": [],
         "complete": False,
+        "rootfs": str(base) if base else "",
+        "outside_address": str(outside.network_address + 1) if base else "",
+        "outside_subnet": str(outside) if base else "",
     }
     _write_state(state)  # from here on `down` can undo whatever was made
     try:
@@ -669,6 +837,10 @@ def _bring_up(state: dict[str, Any], timeout_s: float) -> None:
     _run(ip, "addr", "add", f"{state['bridge_address']}/{ipaddress.IPv4Network(state['subnet']).prefixlen}",
          "dev", bridge)  # fmt: skip
     _run(ip, "link", "set", "dev", bridge, "up")
+    if state["rootfs"]:
+        outside_prefix = ipaddress.IPv4Network(state["outside_subnet"]).prefixlen
+        _run(ip, "addr", "add", f"{state['outside_address']}/{outside_prefix}", "dev", bridge)
+        _start_services(state)
 
     tmpfs = directory / "tmpfs"
     tmpfs.mkdir(mode=0o700)
@@ -691,6 +863,11 @@ def _bring_up(state: dict[str, Any], timeout_s: float) -> None:
         _run(ip, "-n", ns, "addr", "add", f"{host['address']}/{prefixlen}", "dev", ifname)
         _run(ip, "-n", ns, "link", "set", "dev", ifname, "up")
         _run(ip, "-n", ns, "link", "set", "dev", "lo", "up")
+        if state["rootfs"]:
+            # The LAN beyond the cluster subnet: the hosts can answer it, so "refused" can be tested.
+            _run(ip, "-n", ns, "route", "add", state["outside_subnet"], "dev", ifname)
+            _prepare_rootfs_host(state, host, pubkey)
+            continue
         opt_binds[host["name"]] = _prepare_host_dirs(_host_paths(directory, host["name"]), host, state["hosts"], pubkey)
 
     popens: dict[str, subprocess.Popen[bytes]] = {}
@@ -699,8 +876,13 @@ def _bring_up(state: dict[str, Any], timeout_s: float) -> None:
         read_fd, write_fd = os.pipe()
         try:
             with open(directory / host["name"] / "sshd.log", "wb") as log:
+                argv = (
+                    _rootfs_bwrap_argv(state, host, write_fd)
+                    if state["rootfs"]
+                    else _bwrap_argv(host, _host_paths(directory, host["name"]), opt_binds[host["name"]], write_fd)
+                )
                 popen = subprocess.Popen(
-                    _bwrap_argv(host, _host_paths(directory, host["name"]), opt_binds[host["name"]], write_fd),
+                    argv,
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     pass_fds=(write_fd,), env=SANDBOX_ENV,
                     start_new_session=True,  # outlives `make testbed-up` and its terminal
@@ -741,6 +923,9 @@ def down(directory: str | Path = DEFAULT_DIR) -> bool:
 
     left = _stop_processes(state.get("processes", []))
     problems += [f"process {p['pid']} ({p['role']} of {p['host']}) survived SIGKILL" for p in left]
+    if state.get("rootfs") and not left:
+        with contextlib.suppress(OSError, shutil.Error):  # only a cache: losing it costs a download
+            _sibling("rootfs").merge_proxy_cache(directory / "acng-cache")
 
     ip = _tool("ip")
     for ns in state.get("namespaces", []):
@@ -802,6 +987,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="interface names the hosts get, in rotation (default %(default)s)")  # fmt: skip
     p_up.add_argument("--no-install", action="store_true", help="never apt-get install missing packages")
     p_up.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for the sshds (default 20)")
+    p_up.add_argument("--rootfs", action="store_true",
+                      help="give every host its own Debian 12 root filesystem, an apt proxy and the local apt repo")
     p_down = sub.add_parser("down", help="stop the test hosts and remove everything up made")
     p_down.add_argument("--dir", default=DEFAULT_DIR, help=f"testbed directory (default {DEFAULT_DIR})")
     args = parser.parse_args(argv)
@@ -810,7 +997,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "up":
             started = time.monotonic()
             bed = up(args.dir, args.hosts, args.subnet, args.ifnames.split(","),
-                     install=not args.no_install, timeout_s=args.timeout)  # fmt: skip
+                     install=not args.no_install, timeout_s=args.timeout, rootfs=args.rootfs)  # fmt: skip
             for line in _iter_summary(bed):
                 print(line)
             print(f"({time.monotonic() - started:.1f} s)")
