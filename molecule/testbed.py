@@ -584,6 +584,8 @@ def _write_rootfs_inventory(state: dict[str, Any]) -> None:
         "# (network namespaces + bubblewrap + overlay + sshd), packages through the apt proxy.\n"
     )
     (directory / "inventory.yml").write_text(header + "---\n" + yaml.safe_dump(inventory, sort_keys=False))
+    if (REPO / "inventory" / "group_vars").is_dir():  # the cluster defaults, as for a real inventory
+        (directory / "group_vars").symlink_to(REPO / "inventory" / "group_vars")
     (directory / "ssh_config").write_text("\n".join(
         f"Host {h['name']}\n  HostName {h['address']}\n  User root\n  IdentityFile {directory / 'id_ed25519'}\n"
         "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
