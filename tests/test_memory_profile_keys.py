@@ -1,0 +1,59 @@
+"""The memory_profile role and the trainer agree on what a memory profile may hold.
+
+The role (roles/memory_profile) lists the rank-local keys a profile may set, with their types, in
+vars/main.yml; the trainer's RankLocalConfig (train/config.py) defines them. Both lists must be the
+same, and every default profile the role renders must load with the trainer's load_profile.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pytest
+import yaml
+from ansible.plugins.filter.core import to_nice_yaml
+
+from train.config import RankLocalConfig, load_profile
+
+ROLE = Path(__file__).resolve().parent.parent / "roles" / "memory_profile"
+# The role's type names for the annotations of RankLocalConfig's fields.
+ROLE_TYPES = {"positive_int": int, "bool": bool}
+
+
+def _yaml(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text())
+    assert isinstance(data, dict), path
+    return data
+
+
+def test_allowed_keys_are_rank_local_config_fields() -> None:
+    allowed = _yaml(ROLE / "vars" / "main.yml")["memory_profile_rank_local_keys"]
+    assert set(allowed) == set(RankLocalConfig.model_fields)
+    for key, kind in allowed.items():
+        assert ROLE_TYPES[kind] is RankLocalConfig.model_fields[key].annotation, key
+
+
+def test_argument_specs_mirror_default_profiles() -> None:
+    defaults = _yaml(ROLE / "defaults" / "main.yml")
+    options = _yaml(ROLE / "meta" / "argument_specs.yml")["argument_specs"]["main"]["options"]
+    for name in ("memory_profile_profiles", "memory_profile_vram_classes", "memory_profile_name"):
+        assert options[name]["default"] == defaults[name], name
+
+
+@pytest.mark.parametrize("profile", sorted(_yaml(ROLE / "defaults" / "main.yml")["memory_profile_profiles"]))
+def test_default_profile_renders_and_loads(profile: str, tmp_path: Path) -> None:
+    knobs = _yaml(ROLE / "defaults" / "main.yml")["memory_profile_profiles"][profile]
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env.filters["to_nice_yaml"] = to_nice_yaml
+    text = env.from_string((ROLE / "templates" / "profile.yaml.j2").read_text()).render(
+        inventory_hostname="node1",
+        memory_profile_selected=profile,
+        memory_profile_reason="chosen in a test",
+        memory_profile_knobs=knobs,
+    )
+    path = tmp_path / "profile.yaml"
+    path.write_text(text)
+    assert load_profile(path, "node1") == knobs
+    RankLocalConfig.model_validate(knobs)
