@@ -210,8 +210,11 @@ def prepare_root(root: Path, name: str, address: str, port: int, pubkey: str, pr
     (dot_ssh / "authorized_keys").write_text(pubkey)
     (dot_ssh / "authorized_keys").chmod(0o600)
     apt_conf = etc / "apt" / "apt.conf.d"
+    bridge = proxy.split("//", 1)[1].rsplit(":", 1)[0]
     (apt_conf / "01testbed-proxy").write_text(
-        f'// Written by molecule/testbed.py: the only way out of a test host.\nAcquire::http::Proxy "{proxy}";\n'
+        "// Written by molecule/testbed.py: the only way out of a test host. The controller's own\n"
+        "// services (the local apt repository) are reached directly.\n"
+        f'Acquire::http::Proxy "{proxy}";\nAcquire::http::Proxy::{bridge} "DIRECT";\n'
     )
     # No init system in a test host: package scripts must not start daemons (Debian's container default).
     policy = root / "usr" / "sbin" / "policy-rc.d"
