@@ -128,7 +128,11 @@ def _copy_cache(src: Path, dst: Path) -> None:
         target.mkdir(parents=True, exist_ok=True)
         for name in files:
             with contextlib.suppress(FileNotFoundError):
-                shutil.copy2(Path(folder) / name, target / name)
+                source, dest = Path(folder) / name, target / name
+                have = dest.stat() if dest.exists() else None
+                new = source.stat()
+                if have is None or have.st_size != new.st_size or have.st_mtime < new.st_mtime:
+                    shutil.copy2(source, dest)
 
 
 def seed_proxy_cache(private: Path) -> None:
