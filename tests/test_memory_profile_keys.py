@@ -13,13 +13,18 @@ from typing import Any
 import jinja2
 import pytest
 import yaml
-from ansible.plugins.filter.core import to_nice_yaml
 
 from train.config import RankLocalConfig, load_profile
 
 ROLE = Path(__file__).resolve().parent.parent / "roles" / "memory_profile"
 # The role's type names for the annotations of RankLocalConfig's fields.
 ROLE_TYPES = {"positive_int": int, "bool": bool}
+
+
+def _to_nice_yaml(data: Any, indent: int = 4) -> str:
+    """Ansible's to_nice_yaml for plain data. Not imported from ansible: importing ansible in the
+    test process patches sys.intern, which breaks torch._dynamo for every later test."""
+    return yaml.safe_dump(data, indent=indent, default_flow_style=False, allow_unicode=True)
 
 
 def _yaml(path: Path) -> dict[str, Any]:
@@ -46,7 +51,7 @@ def test_argument_specs_mirror_default_profiles() -> None:
 def test_default_profile_renders_and_loads(profile: str, tmp_path: Path) -> None:
     knobs = _yaml(ROLE / "defaults" / "main.yml")["memory_profile_profiles"][profile]
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    env.filters["to_nice_yaml"] = to_nice_yaml
+    env.filters["to_nice_yaml"] = _to_nice_yaml
     text = env.from_string((ROLE / "templates" / "profile.yaml.j2").read_text()).render(
         inventory_hostname="node1",
         memory_profile_selected=profile,
