@@ -173,27 +173,7 @@ def acng_argv(state_dir: Path, address: str) -> list[str]:
     return [binary, "-c", str(conf)]
 
 
-def sshd_config(address: str, port: int) -> str:
-    return f"""\
-# Written by molecule/testbed.py for one test host with its own root filesystem.
-ListenAddress {address}:{port}
-HostKey /etc/ssh/ssh_host_ed25519_key
-HostKey /etc/ssh/ssh_host_rsa_key
-PidFile /run/sshd.pid
-PermitRootLogin prohibit-password
-PubkeyAuthentication yes
-AuthorizedKeysFile .ssh/authorized_keys
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
-UseDNS no
-PrintMotd no
-AcceptEnv LANG LC_*
-Subsystem sftp internal-sftp
-"""
-
-
-def prepare_root(root: Path, name: str, address: str, port: int, pubkey: str, proxy: str) -> None:
+def prepare_root(root: Path, name: str, sshd_config: str, pubkey: str, proxy: str) -> None:
     """Make the merged overlay `root` a host of its own: name, keys, sshd, the apt proxy."""
     etc = root / "etc"
     (etc / "hostname").write_text(name + "\n")
@@ -208,7 +188,7 @@ def prepare_root(root: Path, name: str, address: str, port: int, pubkey: str, pr
         if not key.exists():
             subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", f"root@{name}", "-f", str(key)],
                            check=True, capture_output=True)  # fmt: skip
-    (ssh_dir / "sshd_config").write_text(sshd_config(address, port))
+    (ssh_dir / "sshd_config").write_text(sshd_config)
     dot_ssh = root / "root" / ".ssh"
     dot_ssh.mkdir(mode=0o700, parents=True, exist_ok=True)
     (dot_ssh / "authorized_keys").write_text(pubkey)

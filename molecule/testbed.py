@@ -353,12 +353,12 @@ def _hosts_file(hosts: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _sshd_config(address: str) -> str:
+def _sshd_config(address: str, key_types: Sequence[str] = ("ed25519",)) -> str:
+    host_keys = "".join(f"HostKey /etc/ssh/ssh_host_{kind}_key\n" for kind in key_types)
     return f"""\
 # Written by molecule/testbed.py for one testbed host.
 ListenAddress {address}:{SSH_PORT}
-HostKey /etc/ssh/ssh_host_ed25519_key
-PidFile /run/sshd.pid
+{host_keys}PidFile /run/sshd.pid
 PermitRootLogin prohibit-password
 PubkeyAuthentication yes
 AuthorizedKeysFile .ssh/authorized_keys
@@ -712,7 +712,8 @@ def _prepare_rootfs_host(state: dict[str, Any], host: dict[str, Any], pubkey: st
     _write_state(state)
     layers = f"lowerdir={state['rootfs']},upperdir={paths['upper']},workdir={paths['work']}"
     _run("mount", "-t", "overlay", f"ugro-{host['name']}-{state['suffix']}", "-o", layers, str(paths["root"]))
-    _sibling("rootfs").prepare_root(paths["root"], host["name"], host["address"], SSH_PORT, pubkey, state["apt_proxy"])
+    config = _sshd_config(host["address"], ("ed25519", "rsa"))
+    _sibling("rootfs").prepare_root(paths["root"], host["name"], config, pubkey, state["apt_proxy"])
 
 
 def _rootfs_bwrap_argv(state: dict[str, Any], host: dict[str, Any], info_fd: int) -> list[str]:

@@ -35,16 +35,21 @@ def _why_no_testbed() -> str | None:
 WHY_NOT = _why_no_testbed()
 
 
-def load_testbed_module() -> ModuleType:
-    """molecule/testbed.py by path: `molecule` is also the name of the Molecule package."""
-    if "ugro_testbed" in sys.modules:
-        return sys.modules["ugro_testbed"]
-    spec = importlib.util.spec_from_file_location("ugro_testbed", REPO / "molecule" / "testbed.py")
+def load_molecule_module(name: str) -> ModuleType:
+    """molecule/<name>.py by path: `molecule` is also the name of the Molecule package."""
+    full = f"ugro_{name}"
+    if full in sys.modules:
+        return sys.modules[full]
+    spec = importlib.util.spec_from_file_location(full, REPO / "molecule" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["ugro_testbed"] = module  # dataclasses look their module up while the class is built
+    sys.modules[full] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
+
+
+def load_testbed_module() -> ModuleType:
+    return load_molecule_module("testbed")
 
 
 @pytest.fixture(scope="session")

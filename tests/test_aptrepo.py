@@ -7,15 +7,14 @@ pinned and the newer version of every package must be listed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from conftest import load_molecule_module
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,14 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _load() -> ModuleType:
-    if "ugro_aptrepo" in sys.modules:
-        return sys.modules["ugro_aptrepo"]
-    spec = importlib.util.spec_from_file_location("ugro_aptrepo", REPO / "molecule" / "aptrepo.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ugro_aptrepo"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_molecule_module("aptrepo")
 
 
 def _apt(tmp: Path, repo: Path, keyring: Path, *args: str) -> str:
