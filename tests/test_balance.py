@@ -22,7 +22,7 @@ from train.metrics import read_metrics
 
 
 def test_the_benchmark_knob_is_refused_outside_the_benchmark(tmp_path: Path) -> None:
-    path = write_job(tmp_path / "job.yaml", benchmark={"emulate_speed": [1.0, 0.5]})
+    path = write_job(tmp_path / "job.yaml", benchmark={"emulate_speed": [1.0, 0.5], "seconds_per_token": 1e-3})
     with pytest.raises(ConfigError, match=r"job.yaml: key 'benchmark' is only for `make bench`"):
         load_job(path)
     assert load_job(path, benchmark=True).benchmark is not None
@@ -80,7 +80,9 @@ def test_a_slow_rank_gets_a_smaller_share_and_a_resume_on_more_ranks_plans_again
     job = write_job(
         tmp_path / "job.yaml",
         balance="auto",
-        benchmark={"emulate_speed": [1.0, 0.4]},
+        # Emulated devices: 1 ms per token at speed 1.0 (several times this machine's real compute, so the
+        # speeds hold on a busy machine), 2.5 ms at 0.4.
+        benchmark={"emulate_speed": [1.0, 0.4], "seconds_per_token": 1e-3},
         distributed={"calibration_steps": 2},
         train={"max_steps": 12, "global_batch_size": 10},
         checkpoint={"every": 6},
@@ -98,7 +100,9 @@ def test_a_slow_rank_gets_a_smaller_share_and_a_resume_on_more_ranks_plans_again
 
     # Resume the step-6 checkpoint with 3 ranks: the 2-rank plan does not fit, so the run plans anew.
     shutil.rmtree(run_dir / "checkpoints" / "step-000012")
-    three = yaml.safe_load(job.read_text()) | {"benchmark": {"emulate_speed": [1.0, 1.0, 1.0]}}
+    three = yaml.safe_load(job.read_text()) | {
+        "benchmark": {"emulate_speed": [1.0, 1.0, 1.0], "seconds_per_token": 1e-3}
+    }
     job.write_text(yaml.safe_dump(three))
     result = torchrun(job, run_dir, nproc=3, resume="auto", extra=("--benchmark",))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -22,6 +22,18 @@ from train.step import StepClock
 log = logging.getLogger(__name__)
 
 
+def _emulated_s_per_token(job: JobConfig, info: RankInfo) -> float:
+    """`make bench` only: the seconds per token of the slower device this rank emulates (0: none)."""
+    if job.benchmark is None:
+        return 0.0
+    factors = job.benchmark.emulate_speed
+    if len(factors) != info.world_size:
+        raise ConfigError(
+            f"key 'benchmark.emulate_speed' has {len(factors)} factors for {info.world_size} ranks; give one per rank"
+        )
+    return job.benchmark.seconds_per_token / factors[info.rank]
+
+
 def _gather_caps(info: RankInfo, cap: int) -> tuple[int, ...]:
     if not dist.is_initialized():
         return (cap,)
@@ -31,9 +43,9 @@ def _gather_caps(info: RankInfo, cap: int) -> tuple[int, ...]:
 
 
 class Balancer:
-    def __init__(self, job: JobConfig, info: RankInfo, saved: dict[str, Any] | None, slowdown: float = 0.0) -> None:
+    def __init__(self, job: JobConfig, info: RankInfo, saved: dict[str, Any] | None) -> None:
         self.rank = info.rank
-        self.clock = StepClock(slowdown=slowdown)
+        self.clock = StepClock(device_s_per_token=_emulated_s_per_token(job, info))
         caps = _gather_caps(info, job.rank_local.micro_batch_size)
         self.plan = self._start(job, info, caps, saved)
         self._ran_with = self.plan  # the plan of the step whose times arrive next

@@ -1,25 +1,26 @@
 """`make bench`: balanced training on an emulated heterogeneous cluster, and the trainer's own overhead.
 
 Part 1 runs the real trainer (torchrun, gloo, the default tiny model and data) as 3 ranks on this
-machine whose speed factors are 1.0 / 0.6 / 0.5: the benchmark-only job key
-``benchmark.emulate_speed`` stretches each stretch of a rank's compute to (1/f) x its CPU time
-(train/step.py ``StepClock``), so the rank behaves like a device f times as fast. It measures:
+machine that emulate devices of speed 1.0 / 0.6 / 0.5. The benchmark-only job section
+``benchmark`` gives every rank a device time per token (train/step.py ``StepClock``): a rank
+computes each micro-batch for real, then sleeps until the micro-batch has taken its tokens x
+``seconds_per_token / f``. ``seconds_per_token`` (the speed-1.0 device) is this machine's time per
+token, measured once by the bare loop at the start, divided by ``--scale``, so the real compute
+fits inside every device time and the emulated speeds hold however busy the machine is. Measured:
 
 * ideal    -- the sum of the ranks' throughputs when each trains alone (three independent 1-rank
-              jobs side by side, so they meet the same CPU contention as the 3-rank runs),
+              jobs side by side),
 * equal    -- the 3 ranks with equal shares (plain DDP: every step waits for the slowest),
-* balanced -- the 3 ranks with ``balance: auto``.
+* balanced -- the 3 ranks with ``balance: auto`` (calibration, then measured shares).
 
-Part 2 compares the trainer's tokens/s on one rank at full speed with a bare hand-written loop
-(forward, backward, AdamW) on the same model, data and batch shape, in one process.
+Part 2 compares the trainer's tokens/s on one rank at full speed, no emulation, with a bare
+hand-written loop (forward, backward, AdamW) on the same model, data and batch shape, in one
+process: ``--pairs`` runs of each, in A-B-B-A order so that a machine getting slower or faster
+during the benchmark hits both alike.
 
 Throughput counts only the steps after ``--skip`` (start-up, warm-up and calibration excluded,
-the same steps for every variant). Every process gets one thread (OMP_NUM_THREADS=1), and the
-emulated devices run at ``--scale`` of a core (by default small enough that all ranks together
-keep at most 30 % of the cores busy), so that the ranks of a small machine do not slow each other
-down: the ratios then measure the balancing, not the CPU contention. Every variant runs
-``--rounds`` times, interleaved, and the figures are means, because a shared machine has slow
-minutes. The last line printed is the balanced/ideal ratio.
+the same steps for every variant); every process gets one thread (OMP_NUM_THREADS=1). The last
+line printed is the balanced/ideal ratio.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -56,6 +57,7 @@ app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0] if __doc__ 
 class Setup:
     factors: tuple[float, ...]
     scale: float
+    seconds_per_token: float  # the emulated speed-1.0 device
     steps: int
     skip: int
     global_batch: int
@@ -77,7 +79,8 @@ def _job(setup: Setup, balance: str, factors: tuple[float, ...]) -> dict[str, An
     job["checkpoint"]["every"] = setup.steps  # one checkpoint, after the last measured step
     job["rank_local"]["micro_batch_size"] = setup.micro_batch
     job["balance"] = balance
-    job["benchmark"] = {"emulate_speed": list(factors)}
+    if setup.seconds_per_token > 0:  # else this machine's full speed: no emulated device
+        job["benchmark"] = {"emulate_speed": list(factors), "seconds_per_token": setup.seconds_per_token}
     return job
 
 
@@ -129,11 +132,12 @@ def _train(name: str, setup: Setup, balance: str, factors: tuple[float, ...], ro
         return _rate(name, _start(name, setup, balance, factors, root), setup, root)
 
 
-def _alone(setup: Setup, emulated: tuple[float, ...], root: Path) -> list[float]:
-    """Each emulated device as its own 1-rank job, all at the same time (the same CPU contention as a cluster run)."""
-    names = [f"alone-{r}" for r in range(len(emulated))]
-    with console.status(f"{len(emulated)} independent 1-rank runs side by side, speed {', '.join(map(str, emulated))}"):
-        procs = [_start(n, setup, "equal", (e,), root) for n, e in zip(names, emulated, strict=True)]
+def _alone(setup: Setup, root: Path) -> list[float]:
+    """Each emulated device as its own 1-rank job, all at the same time."""
+    names = [f"alone-{r}" for r in range(len(setup.factors))]
+    speeds = ", ".join(map(str, setup.factors))
+    with console.status(f"{len(names)} independent 1-rank runs side by side, speed {speeds}"):
+        procs = [_start(n, setup, "equal", (f,), root) for n, f in zip(names, setup.factors, strict=True)]
         return [_rate(n, proc, setup, root) for n, proc in zip(names, procs, strict=True)]
 
 
@@ -148,6 +152,11 @@ def _bare(setup: Setup, root: Path) -> float:
     if done.returncode != 0:
         _fail("bare loop", job_file, done.stdout + done.stderr)
     return float(json.loads(done.stdout.strip().splitlines()[-1])["sequences_per_s"])
+
+
+def _trainer(setup: Setup, root: Path) -> float:
+    """The trainer on one rank at this machine's full speed (no emulated device); its sequences/s."""
+    return _train("trainer", replace(setup, seconds_per_token=0.0), "equal", (1.0,), root)
 
 
 @app.command("bare", hidden=True)
@@ -190,48 +199,63 @@ def run(
     scale: Annotated[
         float,
         typer.Option(
-            help="Speed of the fastest emulated device relative to one CPU core; 0 = chosen so that all ranks "
-            "together keep at most 30 % of this machine's cores busy (ranks must not slow each other down)."
+            help="Speed of the fastest emulated device relative to one core of this machine; 0 = chosen so that "
+            "all ranks' real compute together keeps at most 30 % of the cores busy."
         ),
     ] = 0.0,
-    rounds: Annotated[int, typer.Option(help="Rounds of every variant, interleaved; figures are their mean.")] = 2,
+    rounds: Annotated[int, typer.Option(help="Rounds of ideal / equal / balanced; figures are their mean.")] = 2,
+    pairs: Annotated[int, typer.Option(help="Runs of the bare loop and of the trainer each (A-B-B-A order).")] = 4,
     out: Annotated[Path, typer.Option(help="Where the runs and results.json go.")] = REPO / "runs" / "bench",
 ) -> None:
     """Emulated 1.0 / 0.6 / 0.5 cluster: ideal vs equal vs balanced; trainer vs bare loop."""
     speeds = tuple(float(f) for f in factors.split(","))
-    if not 1 <= skip < steps or rounds < 1 or any(not 0 < f <= 1 for f in speeds):
-        console.print("[red]bench: need 1 <= --skip < --steps, --rounds >= 1 and every factor in (0, 1][/red]")
+    if not 1 <= skip < steps or rounds < 1 or pairs < 1 or any(not 0 < f <= 1 for f in speeds):
+        console.print("[red]bench: need 1 <= --skip < --steps, --rounds and --pairs >= 1, factors in (0, 1][/red]")
         raise typer.Exit(2)
     if scale <= 0:
         scale = min(1.0, 0.3 * (os.cpu_count() or 1) / sum(speeds))
-    setup = Setup(speeds, scale, steps, skip, global_batch, micro_batch, seq_len)
     out.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
 
-    emulated = tuple(round(f * scale, 4) for f in speeds)
+    setup = Setup(speeds, scale, 0.0, steps, skip, global_batch, micro_batch, seq_len)
+    calibration = _bare(setup, out)  # this machine's sequences/s on one core, now
+    setup = replace(setup, seconds_per_token=1.0 / (calibration * seq_len * scale))
+    console.print(
+        f"bare loop {calibration:.1f} sequences/s on one core: the speed-1.0 device needs "
+        f"{setup.seconds_per_token * 1e3:.3f} ms per token (x {scale:.2f} of a core)"
+    )
     per_round: list[dict[str, Any]] = []
-    for r in range(rounds):  # interleaved, so that a slow minute of a shared machine hits every variant alike
+    for r in range(rounds):
         console.print(f"round {r + 1}/{rounds}")
-        alone = _alone(setup, emulated, out)
+        alone = _alone(setup, out)
         per_round.append(
             {
                 "alone": alone,
                 "ideal": sum(alone),
-                "equal": _train("equal", setup, "equal", emulated, out),
-                "balanced": _train("balanced", setup, "auto", emulated, out),
-                "bare": _bare(setup, out),
-                "trainer": _train("trainer", setup, "equal", (1.0,), out),  # full speed: no emulation
+                "equal": _train("equal", setup, "equal", speeds, out),
+                "balanced": _train("balanced", setup, "auto", speeds, out),
             }
         )
+    bare_rates: list[float] = []
+    trainer_rates: list[float] = []
+    for p in range(pairs):  # A-B-B-A: a drifting machine speed cancels out of the sums
+        console.print(f"trainer vs bare loop {p + 1}/{pairs}")
+        if p % 2 == 0:
+            bare_rates.append(_bare(setup, out))
+            trainer_rates.append(_trainer(setup, out))
+        else:
+            trainer_rates.append(_trainer(setup, out))
+            bare_rates.append(_bare(setup, out))
 
     def mean(key: str) -> float:
         return statistics.fmean(x[key] for x in per_round)
 
     alone = [statistics.fmean(x["alone"][i] for x in per_round) for i in range(len(speeds))]
-    ideal, equal, balanced, bare_rate, trainer = (mean(k) for k in ("ideal", "equal", "balanced", "bare", "trainer"))
+    ideal, equal, balanced = (mean(k) for k in ("ideal", "equal", "balanced"))
+    bare_rate, trainer = statistics.fmean(bare_rates), statistics.fmean(trainer_rates)
     table = Table(
-        title=f"make bench: {len(speeds)} emulated ranks, speed {factors} (x {scale:.2f} of a core); "
-        f"global batch {global_batch} x {seq_len} tokens; mean of {rounds} round(s)"
+        title=f"make bench: {len(speeds)} emulated ranks, speed {factors} (1.0 = {scale:.2f} of a core); "
+        f"global batch {global_batch} x {seq_len} tokens; {rounds} round(s), {pairs} pair(s)"
     )
     table.add_column("variant")
     table.add_column("sequences/s", justify="right")
@@ -242,14 +266,15 @@ def run(
         ("ideal: sum of the ranks alone", ideal, "1.00 of ideal"),
         ("plain DDP, equal shares", equal, f"{equal / ideal:.2f} of ideal"),
         ("ugro balance: auto", balanced, f"{balanced / ideal:.2f} of ideal"),
-        ("bare loop, 1 process", bare_rate, "1.00 of bare"),
-        ("trainer, 1 rank", trainer, f"{trainer / bare_rate:.2f} of bare"),
+        ("bare loop, 1 process, full speed", bare_rate, "1.00 of bare"),
+        ("trainer, 1 rank, full speed", trainer, f"{trainer / bare_rate:.2f} of bare"),
     ]
     for name, rate, ratio in rows:
         table.add_row(name, f"{rate:.2f}", f"{rate * seq_len:.0f}", ratio)
     console.print(table)
     results = {
-        "setup": setup.__dict__,
+        "setup": asdict(setup),
+        "calibration_sequences_per_s": calibration,
         "alone": alone,
         "ideal": ideal,
         "equal": equal,
@@ -261,6 +286,8 @@ def run(
         "trainer_over_bare": trainer / bare_rate,
         "rounds": per_round,
         "balanced_over_ideal_per_round": [x["balanced"] / x["ideal"] for x in per_round],
+        "bare_runs": bare_rates,
+        "trainer_runs": trainer_rates,
         "seconds": round(time.monotonic() - began, 1),
     }
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -121,8 +121,14 @@ class BenchmarkConfig(_Strict):
 
     emulate_speed: list[float] = Field(
         min_length=1,
-        description="Per global rank, a speed factor in (0, 1]: the rank sleeps (1/f - 1) x its own compute time, "
-        "so it runs like a device f times as fast as this one.",
+        description="Per global rank, a speed factor in (0, 1]: the rank emulates a device that needs "
+        "seconds_per_token / f per token.",
+    )
+    seconds_per_token: float = Field(
+        gt=0,
+        description="Compute time per token of the emulated speed-1.0 device. Each micro-batch lasts its tokens x "
+        "seconds_per_token / f: the rank computes it for real, then sleeps the rest (make bench sets it from this "
+        "machine's measured time per token, divided by --scale, so the real compute always fits).",
     )
 
     @model_validator(mode="after")

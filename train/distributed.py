@@ -151,8 +151,8 @@ def wrap(
     Frozen base weights and buffers are left out of DDP's start-up broadcast: every rank loads
     identical ones from disk, and broadcasting a quantized 7B base would cost ~30 s on 1 GbE.
     """
-    if not dist.is_initialized():
-        return model
+    if not dist.is_initialized() or info.world_size == 1:
+        return model  # one rank: nothing to synchronize, DDP would only add its bookkeeping to every step
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     frozen += [name for name, _ in model.named_buffers()]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)

@@ -26,8 +26,8 @@ class NonFiniteError(RuntimeError):
     """The loss or the gradient went NaN/Inf; the run stops and keeps its last good checkpoint."""
 
 
-def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: bool, slowdown: float = 0.0) -> None:
-    """Train; ``slowdown`` > 0 only under `make bench` (this rank emulates a slower device)."""
+def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: bool) -> None:
+    """Train (under `make bench`, the job's benchmark section makes this rank emulate a slower device)."""
     torch.manual_seed(job.train.seed)
     model, tokenizer, backend = load_model(job, code_dir, info.device)
     blocks = prepare(job.data, tokenizer, code_dir)
@@ -47,7 +47,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     elif resume:
         log.info("no intact checkpoint in %s: starting from step 0", run_dir / "checkpoints")
 
-    balancer = Balancer(job, info, restored.extra.get("plan") if restored else None, slowdown)
+    balancer = Balancer(job, info, restored.extra.get("plan") if restored else None)
     compress = distributed.compression(job, info, model)
     ddp = distributed.wrap(model, info, balancer.clock, compress)
     log.info(

@@ -230,7 +230,8 @@ def _rendezvous_row(reports: dict[str, dict[str, Any]], rendezvous: str, port: i
                 "FAIL",
                 f"{len(failed)} blocked",
                 f"{names} cannot connect to {rendezvous}:{port}: {first.get('error')}",
-                f"allow tcp {port} from the cluster subnet in the firewall of {rendezvous} (nft/ufw/iptables)",
+                f"allow tcp {port} from the cluster subnet in the firewall of {rendezvous} "
+                "(make provision ANSIBLE_ARGS='--tags firewall', or nft/ufw by hand)",
             )
             continue
         result = results.get(host)
@@ -271,12 +272,14 @@ def _ephemeral_row(reports: dict[str, dict[str, Any]], hosts: list[str], address
             )
         elif inbound:
             peers = ", ".join(sorted(r["from"] for r in inbound))
+            port_range = reports[host].get("facts", {}).get("port_range") or "32768-60999"
             check.cells[host] = Cell(
                 "FAIL",
                 f"{len(inbound)} blocked",
                 f"{peers} cannot connect to {host}:{port} ({inbound[0].get('error')}); "
                 "NCCL/gloo connect back on such ports",
-                f"allow tcp 32768-60999 (the ephemeral range) from the cluster subnet on {host}, not only 29500",
+                f"allow tcp {port_range} (the ephemeral range) from the cluster subnet on {host}, not only the "
+                "rendezvous port (make provision ANSIBLE_ARGS='--tags firewall')",
             )
         elif outbound:
             peers = ", ".join(sorted(r["host"] for r in outbound))

@@ -197,6 +197,15 @@ def _meminfo() -> dict[str, int]:
     return found
 
 
+def _port_range() -> str | None:
+    """The host's ephemeral port range ("32768-60999"): where NCCL/gloo peers connect back to."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return f"{low}-{high}"
+
+
 def _running_job(code_dir: Path) -> dict[str, Any] | None:
     """The job this host runs now: ``runs/active-job`` holds "<job id> <process group>" while it lives."""
     try:
@@ -246,6 +255,7 @@ def facts(args: dict[str, Any]) -> dict[str, Any]:
         },
         "profile_exists": Path(args["profile_file"]).is_file(),
         "memory": _meminfo(),
+        "port_range": _port_range(),
         "time": time.time(),
     }
 

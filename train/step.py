@@ -43,7 +43,7 @@ def summed_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch
 
 
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
 
@@ -57,28 +57,32 @@ class StepClock:
     of compute: after each ``no_sync`` micro-batch, and from DDP's communication hook when a
     gradient bucket is ready (train/distributed.py).
 
-    ``slowdown`` is for the benchmark only: each lap then lasts ``1 + slowdown`` times the CPU time it
-    computed, so the rank behaves like a device ``1 / (1 + slowdown)`` times as fast.
+    ``device_s_per_token`` is for the benchmark only: the rank then emulates a device that needs
+    that many seconds per token. It computes each micro-batch for real, then sleeps until the
+    micro-batch has taken ``tokens x device_s_per_token`` (or longer, if the real compute did), so
+    its speed follows the work it did and not how busy the CPU happens to be.
     """
 
-    slowdown: float = 0.0
+    device_s_per_token: float = 0.0
     last_compute_s: float = 0.0  # the previous step's, shared with everyone in the next step's all-reduce
     gathered: list[float] = field(default_factory=list)  # every rank's previous-step compute time
     _start: float = 0.0
     _mark: float = 0.0
-    _cpu_mark: float = 0.0
+    _pending_tokens: int = 0
 
     def begin(self) -> None:
         self._start = self._mark = time.perf_counter()
-        self._cpu_mark = time.process_time()
+        self._pending_tokens = 0
+
+    def work(self, tokens: int) -> None:
+        """The next lap computes these tokens (only the benchmark's emulated device uses it)."""
+        self._pending_tokens += tokens
 
     def lap(self) -> None:
-        if self.slowdown > 0:
-            # The emulated device needs (1 + slowdown) x the CPU time this lap computed, measured from the lap's
-            # start: time the CPU spent on other processes is absorbed instead of added.
-            device_s = (1 + self.slowdown) * (time.process_time() - self._cpu_mark)
+        if self.device_s_per_token > 0 and self._pending_tokens:
+            device_s = self._pending_tokens * self.device_s_per_token
             time.sleep(max(0.0, self._mark + device_s - time.perf_counter()))
-            self._cpu_mark = time.process_time()
+            self._pending_tokens = 0
         self._mark = time.perf_counter()
 
     def end(self) -> None:
@@ -109,6 +113,7 @@ def backward(
     ddp = isinstance(model, DistributedDataParallel)
     for i, batch in enumerate(micro_batches):
         sync = i == last or not ddp
+        clock.work(batch["input_ids"].numel())
         with contextlib.nullcontext() if sync else cast(DistributedDataParallel, model).no_sync():
             loss = summed_loss(model, batch)
             (loss * scale).backward()

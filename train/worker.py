@@ -67,18 +67,6 @@ def _load(args: argparse.Namespace, host: str) -> tuple[JobConfig | None, str | 
     return job, None
 
 
-def _slowdown(job: JobConfig, info: distributed.RankInfo) -> float:
-    """Benchmark only: how much longer than its compute this rank sleeps to emulate a slower device."""
-    if job.benchmark is None:
-        return 0.0
-    factors = job.benchmark.emulate_speed
-    if len(factors) != info.world_size:
-        raise ConfigError(
-            f"key 'benchmark.emulate_speed' has {len(factors)} factors for {info.world_size} ranks; give one per rank"
-        )
-    return 1.0 / factors[info.rank] - 1.0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -93,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         distributed.agree(problem, info)  # a bad file on one host stops every rank, none waits
         assert job is not None
         distributed.check_same_job(job, info)
-        loop.run(job, info, run_dir, args.code_dir.resolve(), args.resume == "auto", _slowdown(job, info))
+        loop.run(job, info, run_dir, args.code_dir.resolve(), args.resume == "auto")
         return 0
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
