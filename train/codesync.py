@@ -47,7 +47,12 @@ def pack(root: Path, archive: Path) -> str:
     with tarfile.open(archive, "w:gz") as tar:
         for rel in files:
             tar.add(root / rel, arcname=rel)
-        tar.add(manifest, arcname=MANIFEST)
+        info = tar.gettarinfo(manifest, arcname=MANIFEST)
+        # The newest code file's time, not now: unchanged code packs to the same members, so a host that
+        # already has it is left alone (the code_sync role's unarchive compares contents and times).
+        info.mtime = max((int((root / rel).stat().st_mtime) for rel in files), default=0)
+        with manifest.open("rb") as handle:
+            tar.addfile(info, handle)
     return tree_hash(root, files)
 
 
@@ -65,8 +70,12 @@ def verify(root: Path, expected: str) -> str | None:
 
 
 def main(argv: list[str]) -> int:
+    """``verify DIR HASH`` (on a host, standard library only) or ``pack ROOT ARCHIVE`` (prints the hash)."""
+    if len(argv) == 3 and argv[0] == "pack":
+        print(pack(Path(argv[1]), Path(argv[2])))
+        return 0
     if len(argv) != 3 or argv[0] != "verify":
-        print("usage: python -m train.codesync verify DIR HASH", file=sys.stderr)
+        print("usage: python -m train.codesync verify DIR HASH | pack ROOT ARCHIVE", file=sys.stderr)
         return 2
     problem = verify(Path(argv[1]), argv[2])
     print(problem or f"code identical: {argv[2][:12]}")
