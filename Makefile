@@ -52,6 +52,7 @@ validate: venv
 lint: venv
 	$(VENV)/bin/ansible-lint --profile production
 	$(VENV)/bin/ruff check train tests models molecule data
+	$(VENV)/bin/ruff format --check train tests models molecule data
 
 typecheck: venv
 	$(VENV)/bin/mypy

@@ -990,8 +990,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="interface names the hosts get, in rotation (default %(default)s)")  # fmt: skip
     p_up.add_argument("--no-install", action="store_true", help="never apt-get install missing packages")
     p_up.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for the sshds (default 20)")
-    p_up.add_argument("--rootfs", action="store_true",
-                      help="give every host its own Debian 12 root filesystem, an apt proxy and the local apt repo")
+    p_up.add_argument(
+        "--rootfs",
+        action="store_true",
+        help="give every host its own Debian 12 root filesystem, an apt proxy and the local apt repo",
+    )
     p_down = sub.add_parser("down", help="stop the test hosts and remove everything up made")
     p_down.add_argument("--dir", default=DEFAULT_DIR, help=f"testbed directory (default {DEFAULT_DIR})")
     args = parser.parse_args(argv)
