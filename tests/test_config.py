@@ -86,6 +86,29 @@ def test_profile_overrides_only_rank_local_keys(tmp_path: Path) -> None:
     assert merged.cluster_hash() == job.cluster_hash()  # the profile never changes what the cluster trains
 
 
+def test_a_token_budget_caps_the_micro_batch_for_any_sequence_length(tmp_path: Path) -> None:
+    job = load_job(_write(tmp_path / "job.yaml", small_job(data={"seq_len": 128}, rank_local={"micro_batch_size": 8})))
+    assert job.micro_batch_cap == 8
+    profile = load_profile(_write(tmp_path / "p.yaml", {"micro_batch_tokens": 512}), "node3070")
+    assert apply_profile(job, profile, "p.yaml on host node3070").micro_batch_cap == 4  # 512 // 128
+    longer = job.model_copy(update={"data": job.data.model_copy(update={"seq_len": 256})})
+    assert apply_profile(longer, profile).micro_batch_cap == 2  # the same profile, twice as long sequences
+
+    short = load_profile(_write(tmp_path / "short.yaml", {"micro_batch_tokens": 100}), "node3070")
+    with pytest.raises(ConfigError) as err:
+        apply_profile(job, short, "/etc/ugro/profile.yaml on host node3070")
+    message = str(err.value)
+    assert "/etc/ugro/profile.yaml on host node3070" in message
+    assert "rank_local.micro_batch_tokens (100) is smaller than one sequence (data.seq_len 128)" in message
+
+
+def test_a_token_budget_below_one_sequence_in_the_job_file_is_named(tmp_path: Path) -> None:
+    path = _write(tmp_path / "job.yaml", small_job(rank_local={"micro_batch_tokens": 64}))
+    with pytest.raises(ConfigError) as err:
+        load_job(path)
+    assert "job.yaml" in str(err.value) and "micro_batch_tokens (64)" in str(err.value)
+
+
 def test_profile_bad_value_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="micro_batch_size"):
         load_profile(_write(tmp_path / "p.yaml", {"micro_batch_size": 0}), "h")

@@ -106,6 +106,11 @@ def test_memory_that_does_not_fit_names_the_knob() -> None:
         and "rank_local.micro_batch_size (now 8)" in cell.fix
         and "/etc/ugro/profile.yaml" in cell.fix
     )
+    budget = oom | {"micro_batch_size": 2, "micro_batch_tokens": 4096}  # a token budget names that knob instead
+    assert (
+        "rank_local.micro_batch_tokens (now 4096, 2 sequences)"
+        in _memory_cell("n", budget, 0, "", Thresholds(), "j").fix
+    )
     tight = {"micro_batch_size": 4, "peak_bytes": 7.9e9, "total_bytes": 8e9}
     assert _memory_cell("n", tight, 0, "", Thresholds(), "j").status == "WARN"
     assert Report(["a"], "a").failed() is False and Cell("PASS").cause == ""

@@ -46,7 +46,7 @@ class Balancer:
     def __init__(self, job: JobConfig, info: RankInfo, saved: dict[str, Any] | None) -> None:
         self.rank = info.rank
         self.clock = StepClock(device_s_per_token=_emulated_s_per_token(job, info))
-        caps = _gather_caps(info, job.rank_local.micro_batch_size)
+        caps = _gather_caps(info, job.micro_batch_cap)
         self.plan = self._start(job, info, caps, saved)
         self._ran_with = self.plan  # the plan of the step whose times arrive next
         auto = job.balance == "auto" and info.world_size > 1

@@ -113,7 +113,29 @@ class RankLocalConfig(_Strict):
     micro_batch_size: int = Field(
         4, gt=0, description="The largest micro-batch this rank's memory holds; the balancer never exceeds it."
     )
+    micro_batch_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Optional token budget of one micro-batch on this rank (sequences x data.seq_len). A profile "
+        "that gives a budget stays right for every sequence length; the micro-batch is then at most "
+        "micro_batch_tokens // data.seq_len sequences (and never more than micro_batch_size).",
+    )
     gradient_checkpointing: bool = False
+
+    def cap(self, seq_len: int) -> int:
+        """The most sequences of ``seq_len`` tokens one micro-batch of this rank may hold."""
+        if self.micro_batch_tokens is None:
+            return self.micro_batch_size
+        return max(1, min(self.micro_batch_size, self.micro_batch_tokens // seq_len))
+
+    def budget_problem(self, seq_len: int) -> str | None:
+        """Why one sequence does not fit this rank's token budget, or None."""
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < seq_len:
+            return (
+                f"rank_local.micro_batch_tokens ({self.micro_batch_tokens}) is smaller than one sequence "
+                f"(data.seq_len {seq_len}): raise the budget to at least {seq_len} or lower data.seq_len"
+            )
+        return None
 
 
 class BenchmarkConfig(_Strict):
@@ -158,7 +180,8 @@ class JobConfig(_Strict):
         "auto",
         description="How each global batch is split across ranks. auto: by measured throughput, re-planned when it "
         "drifts; equal: the same share for every rank; {host: weight}: fixed shares by host (every rank of a host "
-        "gets the host's weight). Micro-batches never exceed a rank's rank_local.micro_batch_size.",
+        "gets the host's weight). Micro-batches never exceed a rank's rank_local.micro_batch_size (nor its "
+        "rank_local.micro_batch_tokens).",
     )
     rank_local: RankLocalConfig = RankLocalConfig()
     benchmark: BenchmarkConfig | None = None
@@ -170,7 +193,15 @@ class JobConfig(_Strict):
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be smaller than "
                 f"train.max_steps ({self.train.max_steps})"
             )
+        problem = self.rank_local.budget_problem(self.data.seq_len)
+        if problem:
+            raise ValueError(problem)
         return self
+
+    @property
+    def micro_batch_cap(self) -> int:
+        """The largest micro-batch (sequences) this rank takes: its memory profile's limit."""
+        return self.rank_local.cap(self.data.seq_len)
 
     def cluster_wide(self) -> dict[str, Any]:
         """The part of the job that must be identical on every rank."""
@@ -259,7 +290,13 @@ def load_profile(path: str | Path, host: str) -> dict[str, Any]:
     return raw
 
 
-def apply_profile(job: JobConfig, profile: dict[str, Any]) -> JobConfig:
-    """The job as this rank runs it: the profile's rank-local keys merged over the job's."""
-    merged = job.rank_local.model_copy(update=profile)
-    return job.model_copy(update={"rank_local": RankLocalConfig.model_validate(merged.model_dump())})
+def apply_profile(job: JobConfig, profile: dict[str, Any], where: str = "the profile") -> JobConfig:
+    """The job as this rank runs it: the profile's rank-local keys merged over the job's.
+
+    ``where`` names the profile in errors ("/etc/ugro/profile.yaml on host node3070").
+    """
+    merged = RankLocalConfig.model_validate(job.rank_local.model_copy(update=profile).model_dump())
+    problem = merged.budget_problem(job.data.seq_len)
+    if problem:
+        raise ConfigError(f"{where}: {problem}")
+    return job.model_copy(update={"rank_local": merged})

@@ -57,7 +57,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         len(blocks),
         job.data.seq_len,
         sum(p.numel() for p in trainable),
-        job.rank_local.micro_batch_size,
+        job.micro_batch_cap,
         compress,
     )
     writer = MetricsWriter(run_dir, job.train.max_steps, start) if info.is_main else None

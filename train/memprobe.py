@@ -49,16 +49,17 @@ def probe(job_file: Path, profile: Path | None, host: str, steps: int, code_dir:
 
     job = load_job(job_file)
     if profile is not None:
-        job = apply_profile(job, load_profile(profile, host))
+        job = apply_profile(job, load_profile(profile, host), f"{profile} on host {host}")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    micro = job.rank_local.micro_batch_size
+    micro = job.micro_batch_cap
     result: dict[str, Any] = {
         "host": host,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "total_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
         "micro_batch_size": micro,
+        "micro_batch_tokens": job.rank_local.micro_batch_tokens,
         "gradient_checkpointing": job.rank_local.gradient_checkpointing,
         "profile": str(profile) if profile is not None else None,
         "steps": 0,

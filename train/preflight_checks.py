@@ -519,7 +519,12 @@ def _memory_cell(host: str, r: dict[str, Any] | None, rc: int, output: str, t: T
         return Cell("FAIL", "bad profile/job", r["config_error"], "fix the named key in that file")
     where = r.get("profile") or job_file
     micro = r.get("micro_batch_size")
-    knob = f"lower rank_local.micro_batch_size (now {micro}) in {where} on {host}"
+    tokens = r.get("micro_batch_tokens")
+    knob = (
+        f"lower rank_local.micro_batch_tokens (now {tokens}, {micro} sequences) in {where} on {host}"
+        if tokens
+        else f"lower rank_local.micro_batch_size (now {micro}) in {where} on {host}"
+    )
     if not r.get("gradient_checkpointing"):
         knob += ", or set rank_local.gradient_checkpointing: true"
     peak = r.get("peak_bytes", 0) / GIB

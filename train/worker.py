@@ -61,7 +61,7 @@ def _load(args: argparse.Namespace, host: str) -> tuple[JobConfig | None, str | 
     try:
         job = load_job(args.job, benchmark=args.benchmark)
         if args.profile is not None:
-            job = apply_profile(job, load_profile(args.profile, host))
+            job = apply_profile(job, load_profile(args.profile, host), f"{args.profile} on host {host}")
     except ConfigError as exc:
         return None, str(exc)
     return job, None
