@@ -22,7 +22,7 @@ from conftest import PYTHON, REPO, run_env, small_job
 
 from train import codesync, probe
 from train.allreduce import bus_bandwidth
-from train.preflight_checks import Cell, Report, Thresholds, _ifname_matches, _memory_cell, judge_fast
+from train.preflight_checks import Cell, Report, Thresholds, _ephemeral_row, _ifname_matches, _memory_cell, judge_fast
 
 
 def _cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
@@ -91,6 +91,33 @@ def test_the_odd_version_out_fails_on_its_host_and_names_the_fix() -> None:
     assert torch["a"].status == torch["b"].status == "PASS" and torch["c"].status == "FAIL"
     assert "2.13.0" in torch["c"].fix and "c" in torch["c"].fix
     assert report.row("driver").cells["b"].status == "PASS"
+
+
+def _mesh(blocked: set[tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """Probe reports of hosts a, b, c whose ephemeral connections (source, target) in ``blocked`` time out."""
+    hosts = ("a", "b", "c")
+    return {
+        h: {
+            "facts": {"port_range": "32768-60999"},
+            "listen": {"ports": {"ephemeral": 45000}, "errors": {}},
+            "connect": [
+                {"host": t, "label": "ephemeral", "ok": (h, t) not in blocked, "error": "timed out"}
+                for t in hosts
+                if t != h
+            ],
+        }
+        for h in hosts
+    }
+
+
+def test_a_blocked_ephemeral_port_fails_on_the_host_that_blocks_it() -> None:
+    hosts, addresses = ["a", "b", "c"], {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}
+    inbound = _ephemeral_row(_mesh({("a", "c"), ("b", "c")}), hosts, addresses).cells  # c's input drops them
+    assert {h: c.status for h, c in inbound.items()} == {"a": "PASS", "b": "PASS", "c": "FAIL"}
+    assert "allow tcp 32768-60999" in inbound["c"].fix and "on c" in inbound["c"].fix
+    outbound = _ephemeral_row(_mesh({("b", "a"), ("b", "c")}), hosts, addresses).cells  # b's output drops them
+    assert {h: c.status for h, c in outbound.items()} == {"a": "PASS", "b": "FAIL", "c": "PASS"}
+    assert "output rules of b" in outbound["b"].fix
 
 
 def test_memory_that_does_not_fit_names_the_knob() -> None:
@@ -203,9 +230,10 @@ def _nft() -> str | None:
 
 @pytest.fixture()
 def planted(testbed: Any, clean_inventory: Path) -> Iterator[Path]:
-    """Five real failures: tb1 (rendezvous host) drops tcp 29500 and has 1 MiB free under /opt/ugro/runs;
+    """Six real failures: tb1 (rendezvous host) drops tcp 29500 and has 1 MiB free under /opt/ugro/runs;
     tb2's env file names eth0 (its interface is enp5s0) and its /etc/hosts lacks tb3; tb3's Python
-    reports torch 2.99.0. Everything is undone afterwards."""
+    reports torch 2.99.0 and tb3 drops new connections to its ephemeral port range. Everything is
+    undone afterwards."""
     nft = _nft()
     if nft is None:
         pytest.skip("nft is not installed and could not be")
@@ -228,6 +256,17 @@ def planted(testbed: Any, clean_inventory: Path) -> Iterator[Path]:
             ),
         )
         undo.append(["ip", "netns", "exec", tb1.namespace, nft, "delete", "table", "inet", "ugro_preflight_test"])
+        tb3 = testbed.host("tb3")
+        subprocess.run(
+            ["ip", "netns", "exec", tb3.namespace, nft, "-f", "-"],
+            check=True,
+            text=True,
+            input=(  # only a firewall that opens the rendezvous port and SSH: replies to tb3's own connections pass
+                "table inet ugro_preflight_test {\n chain input {\n  type filter hook input priority 0;\n"
+                "  ct state new tcp dport 32768-60999 drop\n }\n}\n"
+            ),
+        )
+        undo.append(["ip", "netns", "exec", tb3.namespace, nft, "delete", "table", "inet", "ugro_preflight_test"])
         runs.mkdir(parents=True, exist_ok=True)
         subprocess.run(
             [
@@ -297,7 +336,10 @@ def test_planted_failures_fail_on_the_right_host_with_the_fix(planted: Path) -> 
     torch = _cells(report, "torch")
     assert status("torch") == {"tb1": "PASS", "tb2": "PASS", "tb3": "FAIL"}, torch
     assert "2.99.0" in torch["tb3"]["cause"] and "torch 2.13.0" in torch["tb3"]["fix"]
-    assert status("ephemeral ports") == {"tb1": "PASS", "tb2": "PASS", "tb3": "PASS"}
+    ephemeral = _cells(report, "ephemeral ports")
+    assert status("ephemeral ports") == {"tb1": "PASS", "tb2": "PASS", "tb3": "FAIL"}, ephemeral
+    assert "tb1, tb2 cannot connect to tb3" in ephemeral["tb3"]["cause"]
+    assert "allow tcp 32768-60999" in ephemeral["tb3"]["fix"] and "on tb3" in ephemeral["tb3"]["fix"]
 
     # make train runs the same checks first and refuses to launch.
     refused = _cli("train", "--inventory", str(planted), timeout=200)

@@ -256,13 +256,23 @@ def _ephemeral_row(reports: dict[str, dict[str, Any]], hosts: list[str], address
             check.cells[host] = Cell("PASS", "single host")
         return check
     results = _connections(reports, "ephemeral")
+    # Whose fault is a failed connection s -> t? The source's (output rules, routing) when t accepts others
+    # but s reaches nobody; otherwise the target's (input rules). One blocked host is one FAIL.
+    reached = {r["host"] for r in results if r.get("ok")}
+    reaching = {r["from"] for r in results if r.get("ok")}
+
+    def sources_fault(r: dict[str, Any]) -> bool:
+        return r["host"] in reached and r["from"] not in reaching
+
     for host in hosts:
         if host not in reports:
             continue
         port = reports[host].get("listen", {}).get("ports", {}).get("ephemeral")
         bind_error = reports[host].get("listen", {}).get("errors", {}).get("ephemeral")
-        inbound = [r for r in results if r["host"] == host and not r.get("ok") and not bind_error]
-        outbound = [r for r in results if r["from"] == host and not r.get("ok")]
+        failed = [r for r in results if not r.get("ok")]
+        inbound = [r for r in failed if r["host"] == host and not bind_error and not sources_fault(r)]
+        outbound = [r for r in failed if r["from"] == host and sources_fault(r)]
+        mine = [r for r in results if r["from"] == host]
         if bind_error:
             check.cells[host] = Cell(
                 "WARN",
@@ -286,12 +296,15 @@ def _ephemeral_row(reports: dict[str, dict[str, Any]], hosts: list[str], address
             check.cells[host] = Cell(
                 "FAIL",
                 "cannot connect",
-                f"{host} cannot connect to {peers}: {outbound[0].get('error')}",
+                f"{host} cannot connect to {peers} (other hosts can): {outbound[0].get('error')}",
                 f"check the output rules of {host}'s firewall and its route to {addresses.get(outbound[0]['host'])}",
             )
         else:
-            ok = sum(1 for r in results if r["from"] == host and r.get("ok"))
-            check.cells[host] = Cell("PASS", f"{ok} peers")
+            ok = sum(1 for r in mine if r.get("ok"))
+            elsewhere = sorted(r["host"] for r in mine if not r.get("ok"))
+            check.cells[host] = Cell(
+                "PASS", f"{ok} peers" + (f" ({', '.join(elsewhere)}: see there)" if elsewhere else "")
+            )
     return check
 
 
