@@ -157,25 +157,14 @@ class RepoInfo:
     cuda_newer: str
     packages: list[str] = field(default_factory=list)
 
-    @property
-    def driver_pinned_deb_version(self) -> str:
-        return f"{self.driver_pinned}-1"
 
-    @property
-    def driver_newer_deb_version(self) -> str:
-        return f"{self.driver_newer}-1"
-
-    @property
-    def cuda_pinned_deb_version(self) -> str:
-        return f"{self.cuda_pinned}-1"
-
-    @property
-    def cuda_newer_deb_version(self) -> str:
-        return f"{self.cuda_newer}-1"
+def deb_version(version: str) -> str:
+    """The Debian version of a dummy package built for an upstream version (revision 1)."""
+    return f"{version}-1"
 
 
 def _driver_packages(version: str) -> list[Package]:
-    deb_version = f"{version}-1"
+    revision = deb_version(version)
     smi = (
         NVIDIA_SMI.replace("@VERSION@", version)
         .replace("@GPU_NAME@", GPU_NAME)
@@ -184,22 +173,22 @@ def _driver_packages(version: str) -> list[Package]:
     return [
         Package(
             "nvidia-kernel-open-dkms",
-            deb_version,
+            revision,
             description=f"NVIDIA open kernel modules {version} (dummy)",
             files=((f"/usr/src/nvidia-{version}/README.ugro", 0o644, "dummy: no kernel module here\n"),),
             section="non-free/kernel",
         ),
         Package(
             "nvidia-smi",
-            deb_version,
+            revision,
             description=f"NVIDIA System Management Interface {version} (dummy)",
             files=(("/usr/bin/nvidia-smi", 0o755, smi),),
             section="non-free/utils",
         ),
         Package(
             "nvidia-driver-cuda",
-            deb_version,
-            depends=(f"nvidia-smi (= {deb_version})", f"nvidia-kernel-open-dkms (= {deb_version})"),
+            revision,
+            depends=(f"nvidia-smi (= {revision})", f"nvidia-kernel-open-dkms (= {revision})"),
             description=f"NVIDIA driver CUDA integration components {version} (dummy)",
             section="non-free/libs",
         ),
@@ -211,7 +200,7 @@ def _cuda_package(version: str) -> Package:
     nvcc = NVCC.replace("@VERSION@", version).replace("@RELEASE@", release)
     return Package(
         CUDA_PACKAGE,
-        f"{version}-1",
+        deb_version(version),
         description=f"CUDA Toolkit {version} meta-package (dummy)",
         files=((f"/usr/local/cuda-{release}/bin/nvcc", 0o755, nvcc),),
     )

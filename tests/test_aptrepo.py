@@ -87,8 +87,9 @@ def test_repository_verifies_and_lists_pinned_and_newer(tmp_path: Path) -> None:
     out = _apt(tmp_path / "apt", repo, keyring, "apt-get", "update")
     assert "NO_PUBKEY" not in out and "not signed" not in out and "W:" not in out, out
 
-    wanted = {name: (info.driver_pinned_deb_version, info.driver_newer_deb_version) for name in info.driver_packages}
-    wanted[info.cuda_package] = (info.cuda_pinned_deb_version, info.cuda_newer_deb_version)
+    driver = (aptrepo.deb_version(info.driver_pinned), aptrepo.deb_version(info.driver_newer))
+    wanted = {name: driver for name in info.driver_packages}
+    wanted[info.cuda_package] = (aptrepo.deb_version(info.cuda_pinned), aptrepo.deb_version(info.cuda_newer))
     madison = _apt(tmp_path / "apt", repo, keyring, "apt-cache", "madison", *wanted)
     listed = {tuple(part.strip() for part in line.split("|")[:2]) for line in madison.splitlines() if "|" in line}
     for name, versions in wanted.items():
@@ -96,7 +97,7 @@ def test_repository_verifies_and_lists_pinned_and_newer(tmp_path: Path) -> None:
             assert (name, version) in listed, f"{name} {version} not in:\n{madison}"
     # Without a pin the newer version is the candidate: the roles' pins are what keeps it out.
     policy = _apt(tmp_path / "apt", repo, keyring, "apt-cache", "policy", "nvidia-smi")
-    assert f"Candidate: {info.driver_newer_deb_version}" in policy, policy
+    assert f"Candidate: {aptrepo.deb_version(info.driver_newer)}" in policy, policy
 
 
 def test_wrong_key_fails_verification(tmp_path: Path) -> None:
