@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
-from conftest import free_port, small_job, torchrun, write_job
+from conftest import PYTHON, REPO, free_port, run_env, small_job, torchrun, write_job
 
 from train import distributed
 from train.config import ConfigError, JobConfig, load_job
@@ -121,3 +123,28 @@ def test_ddp_start_up_does_not_broadcast_the_frozen_base_across_hosts(testbed: A
     assert figures["world_size"] == 3
     assert figures["plain_bytes"] > 4 * 2**20  # the base: embeddings, layers, head
     assert figures["ugro_bytes"] < figures["plain_bytes"] / 50  # LoRA A/B only
+
+
+@pytest.mark.slow
+def test_make_bench_emulates_the_speeds_plans_and_ends_with_the_ratio(tmp_path: Path) -> None:
+    """The benchmark harness end to end, shortened: figures are not judged here, its mechanics are."""
+    args = ["--steps", "7", "--skip", "5", "--rounds", "1", "--pairs", "1"]
+    args += ["--global-batch", "12", "--micro-batch", "4", "--seq-len", "32", "--out", str(tmp_path)]
+    result = subprocess.run(
+        [PYTHON, "-m", "train.bench", "run", *args],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    last = result.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"balanced/ideal = \d\.\d{3}", last), last
+    figures = json.loads((tmp_path / "results.json").read_text())
+    fast, *slower = figures["alone"]
+    # The emulated devices run at 1.0 / 0.6 / 0.5 whatever the machine does (per-step overheads aside).
+    assert slower[0] / fast == pytest.approx(0.6, abs=0.1) and slower[1] / fast == pytest.approx(0.5, abs=0.1), figures
+    assert figures["equal"] < figures["ideal"]
+    log = next((tmp_path / "balanced" / "logs").glob("*-rank0.log")).read_text()
+    assert "re-planned from measured step times" in log
