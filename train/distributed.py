@@ -71,6 +71,17 @@ def _roll_call(host: str, rank: int, local_rank: int, world: int) -> tuple[int, 
     return (chosen if chosen < world else 0), tuple(h for h, _ in entries)
 
 
+def leave_together() -> None:
+    """Collective, after a run's last write: no rank tears its process group down while a peer still works.
+
+    Without it the non-main ranks destroyed their gloo connections while the main rank was still saving
+    the adapter, and once (CI, a 3-rank resume) a rank aborted at exit ("terminate called without an
+    active exception"). Only on the success path: after a failure a peer may never arrive.
+    """
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -131,3 +131,4 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         plot_loss(run_dir)
         write_status(run_dir, state="finished", step=job.train.max_steps)
         log.info("finished: adapter in %s", run_dir / "adapter")
+    distributed.leave_together()
