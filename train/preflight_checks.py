@@ -264,12 +264,12 @@ def _ephemeral_row(reports: dict[str, dict[str, Any]], hosts: list[str], address
     def sources_fault(r: dict[str, Any]) -> bool:
         return r["host"] in reached and r["from"] not in reaching
 
+    failed = [r for r in results if not r.get("ok")]
     for host in hosts:
         if host not in reports:
             continue
         port = reports[host].get("listen", {}).get("ports", {}).get("ephemeral")
         bind_error = reports[host].get("listen", {}).get("errors", {}).get("ephemeral")
-        failed = [r for r in results if not r.get("ok")]
         inbound = [r for r in failed if r["host"] == host and not bind_error and not sources_fault(r)]
         outbound = [r for r in failed if r["from"] == host and sources_fault(r)]
         mine = [r for r in results if r["from"] == host]
