@@ -24,12 +24,15 @@ help:
 	@echo "make testbed-up N=3 / make testbed-down   a test cluster of N hosts on this machine (root)"
 	@echo "make validate        check a job file without starting anything"
 	@echo "make lint            ansible-lint (production profile) and ruff"
-	@echo "make lock            regenerate requirements.lock from requirements.in"
+	@echo "make lock            regenerate the locks by role in requirements/ (node, gpu, controller, dev) from their .in files"
 
-# The virtual environment is built once from the lock file; a changed lock file rebuilds it.
-$(VENV)/.installed: requirements.lock
+# The controller's (and developer's) virtual environment: the node, controller and dev locks installed
+# together, once; a changed lock reinstalls. Nodes get node.lock (+ gpu.lock) from role python_env.
+LOCKS := requirements/node.lock requirements/controller.lock requirements/dev.lock
+
+$(VENV)/.installed: $(LOCKS)
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet -r requirements.lock
+	$(VENV)/bin/pip install --quiet $(addprefix -r ,$(LOCKS))
 	touch $@
 
 venv: $(VENV)/.installed
@@ -84,12 +87,10 @@ testbed-up: venv
 testbed-down:
 	$(PY) molecule/testbed.py down --dir .testbed
 
+# Every lock from its .in with pip's resolver (dry runs, nothing installed; ~4 min): node + gpu
+# together for a Linux x86-64 GPU host, then node for this machine, controller and dev on top.
 lock:
-	$(PYTHON) -m venv /tmp/ugro-lock-venv
-	/tmp/ugro-lock-venv/bin/pip install --quiet -r requirements.in
-	{ sed -n '1,2p' requirements.lock; /tmp/ugro-lock-venv/bin/pip freeze | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > requirements.lock.new
-	mv requirements.lock.new requirements.lock
-	rm -rf /tmp/ugro-lock-venv
+	$(PYTHON) requirements/lock.py
 
 clean:
 	rm -rf runs .pytest_cache
