@@ -12,8 +12,8 @@ import tarfile
 from collections.abc import Iterable
 from pathlib import Path
 
-# What a host needs to run a job: the package, jobs, model sources, data, the lock file.
-SYNCED = ("train", "jobs", "models", "data", "requirements.lock", "requirements.in", "pyproject.toml")
+# What a host needs to run a job: the package, jobs, model sources, data, the locks.
+SYNCED = ("train", "jobs", "models", "data", "requirements", "pyproject.toml")
 MANIFEST = ".ugro-code-manifest"
 SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
 

@@ -396,7 +396,10 @@ def judge_fast(
         if row == "python":
             fix = "rebuild the venv of {host} with Python {ref} (make provision)"
         else:
-            fix = "install " + row.replace(" ", "-") + " {ref} on {host}: pip install -r requirements.lock in its venv"
+            fix = (
+                "install " + row.replace(" ", "-") + " {ref} on {host}: make provision"
+                " (its venv gets requirements/node.lock, + gpu.lock on a GPU host)"
+            )
         report.checks.append(_same_everywhere(row, values, rendezvous, fix))
 
     code = Check("train code")

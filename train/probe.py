@@ -39,7 +39,7 @@ from typing import Any
 PACKAGES = {"torch": "torch", "transformers": "transformers", "peft": "peft", "unsloth": "unsloth"}
 NCCL_DISTS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
 # What the code sync ships (train/codesync.py SYNCED); a host never synced is hashed by walking these.
-SYNCED = ("train", "jobs", "models", "data", "requirements.lock", "requirements.in", "pyproject.toml")
+SYNCED = ("train", "jobs", "models", "data", "requirements", "pyproject.toml")
 MANIFEST = ".ugro-code-manifest"
 SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
 IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
