@@ -55,11 +55,14 @@ def public(version: str) -> str:
     return version.split("+", 1)[0]
 
 
-def resolve(args: list[str], *, gpu_host: bool = False, timeout: float = 900) -> dict[str, tuple[str, str]]:
+def resolve(
+    args: list[str], *, gpu_host: bool = False, python: str = PYTHON, timeout: float = 900
+) -> dict[str, tuple[str, str]]:
     """Run pip's resolver over requirement arguments; return {canonical name: (name, version)}.
 
-    gpu_host resolves for a Linux x86-64 host of this Python version (binary wheels only) instead
-    of this machine. Raises CalledProcessError with pip's message when the set does not resolve.
+    gpu_host resolves for a Linux x86-64 host of Python `python` (CPython, binary wheels only)
+    instead of this machine. Raises CalledProcessError with pip's message when the set does not
+    resolve, TimeoutExpired past `timeout` seconds.
     """
     with tempfile.TemporaryDirectory(prefix="ugro-lock-") as tmp:
         report = Path(tmp) / "report.json"
@@ -70,7 +73,8 @@ def resolve(args: list[str], *, gpu_host: bool = False, timeout: float = 900) ->
             "install",
             "--dry-run",
             "--ignore-installed",
-            "--quiet",
+            "--progress-bar",
+            "off",
             "--disable-pip-version-check",
             "--no-input",
             "--report",
@@ -84,7 +88,7 @@ def resolve(args: list[str], *, gpu_host: bool = False, timeout: float = 900) ->
                 "--implementation",
                 "cp",
                 "--python-version",
-                PYTHON,
+                python,
                 "--only-binary=:all:",
             ]
             for tag in GPU_HOST_PLATFORMS:
@@ -94,8 +98,10 @@ def resolve(args: list[str], *, gpu_host: bool = False, timeout: float = 900) ->
             cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"}
         )
         if proc.returncode != 0:
-            stderr = "\n".join(line for line in proc.stderr.splitlines() if "is ignored: it is neither" not in line)
-            raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, stderr)
+            # pip's verdict is on stderr, the conflicting requirements ("The conflict is caused by") on stdout.
+            errors = [line for line in proc.stderr.splitlines() if "is ignored: it is neither" not in line]
+            cause = proc.stdout[proc.stdout.find("The conflict is caused by") :] if "conflict is" in proc.stdout else ""
+            raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, "\n".join(errors) + "\n" + cause)
         installs = json.loads(report.read_text())["install"]
     return {
         canonical(i["metadata"]["name"]): (i["metadata"]["name"], public(i["metadata"]["version"])) for i in installs
