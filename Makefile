@@ -11,7 +11,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: train preflight doctor status logs stop validate test bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision
+.PHONY: export train preflight doctor status logs stop validate test bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -22,6 +22,7 @@ help:
 	@echo "make bench           balanced vs equal vs ideal on 3 emulated unequal ranks; trainer vs a bare loop"
 	@echo "make bench-ddp-init  bytes and time DDP broadcasts at start-up, plain vs ugro, on the test cluster (root)"
 	@echo "make testbed-up N=3 / make testbed-down   a test cluster of N hosts on this machine (root)"
+	@echo "make export [JOB_ID=...]   merge the run's adapter into its base model (runs/<job-id>/merged)"
 	@echo "make validate        check a job file without starting anything"
 	@echo "make lint            ansible-lint (production profile) and ruff"
 	@echo "make lock            regenerate the locks by role in requirements/ (node, gpu, controller, dev) from their .in files"
@@ -48,6 +49,10 @@ doctor: venv
 
 status logs stop: venv
 	$(PY) -m train.cli $@ --inventory $(INVENTORY) $(if $(JOB_ID),--job-id $(JOB_ID))
+
+# The run's adapter merged into its base model (runs/<job-id>/merged), checked against base + adapter.
+export: venv
+	$(PY) -m train.cli export $(if $(JOB_ID),--job-id $(JOB_ID))
 
 validate: venv
 	$(PY) -m train.cli validate --job $(JOB)

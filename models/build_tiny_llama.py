@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 ROOT = Path(__file__).resolve().parent
-DATA = ROOT.parent / "data" / "sample" / "cluster-troubleshooting.jsonl"
+DATA = ROOT.parent / "data" / "sample" / "train.jsonl"
 OUT = ROOT / "tiny-llama"
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 

@@ -80,7 +80,7 @@ def small_job(**overrides: Any) -> dict[str, Any]:
         "lora": {
             "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
         },
-        "data": {"source": "data/sample/cluster-troubleshooting.jsonl", "seq_len": 128},
+        "data": {"source": "data/sample/train.jsonl", "seq_len": 128},
         "optim": {"lr": 0.003},
         "schedule": {"warmup_steps": 4},
         "train": {"max_steps": 30, "global_batch_size": 8, "log_every": 10, "seed": 7},

@@ -66,7 +66,7 @@ def test_no_packing_pads_and_masks() -> None:
 
 
 def test_sample_data_loads_through_datasets(tokenizer: object) -> None:
-    cfg = DataConfig(source="data/sample/cluster-troubleshooting.jsonl", seq_len=128)
+    cfg = DataConfig(source="data/sample/train.jsonl", seq_len=128)
     assert len(load_records(cfg, REPO)) >= 300
     blocks = prepare(cfg, tokenizer, REPO)
     assert blocks.input_ids.shape[1] == 128 and len(blocks) > 50

@@ -187,3 +187,12 @@ def restore(
     known = {"step", "trainable", "optimizer", "scheduler", "rng"}
     extra = {k: v for k, v in state.items() if k not in known}
     return Restored(step=int(state["step"]), path=Path(path_str), extra=extra)
+
+
+def name_base(adapter: Path, source: str) -> None:
+    """Record the base as the job names it (a repository path like models/x, or a hub name), not this node's
+    absolute path, so that the adapter loads on the controller and anywhere the repository is checked out."""
+    config = adapter / "adapter_config.json"
+    record = json.loads(config.read_text())
+    record["base_model_name_or_path"] = source
+    config.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")

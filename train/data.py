@@ -6,10 +6,11 @@ hand out indices without any rank sending data to another.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import Dataset
@@ -17,6 +18,14 @@ from torch.utils.data import Dataset
 from train.config import ConfigError, DataConfig
 
 IGNORE = -100
+
+
+class Record(NamedTuple):
+    """One data record and where it came from ("data/x.jsonl:12"), for errors that name the line."""
+
+    where: str
+    fields: dict[str, Any]
+
 
 _LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
 
@@ -49,74 +58,210 @@ class Blocks(Dataset[dict[str, torch.Tensor]]):
         }
 
 
-def load_records(cfg: DataConfig, base_dir: Path) -> list[dict[str, Any]]:
-    """Read records with ``datasets``: a local file or directory, or a hub dataset name."""
+def _resolve(source: str, base_dir: Path) -> Path:
+    return Path(source) if Path(source).is_absolute() else base_dir / source
+
+
+def _read_jsonl(path: Path) -> list[Record]:
+    """Every line a JSON object; an error names the file and the line."""
+    records: list[Record] = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}:{number}: a record must be a JSON object, not {type(value).__name__}")
+        records.append(Record(f"{path}:{number}", value))
+    return records
+
+
+def load_records(source: str, base_dir: Path, split: str = "train", key: str = "data.source") -> list[Record]:
+    """Records with where each came from: a local .jsonl read line by line, anything else through ``datasets``."""
+    local = _resolve(source, base_dir)
+    if local.suffix == ".jsonl" and local.is_file():
+        records = _read_jsonl(local)
+    elif local.is_file() or local.is_dir() or local.suffix not in _LOCAL_BUILDERS:
+        records = _load_with_datasets(source, local, split, key)
+    else:
+        raise ConfigError(f"{key}: {local}: file not found")
+    if not records:
+        raise ConfigError(f"{key}: {local if local.exists() else source} holds no records (an empty file?)")
+    return records
+
+
+def _load_with_datasets(source: str, local: Path, split: str, key: str) -> list[Record]:
     import datasets
 
     datasets.disable_progress_bars()
-    local = (base_dir / cfg.source) if not Path(cfg.source).is_absolute() else Path(cfg.source)
     try:
         if local.is_file():
             builder = _LOCAL_BUILDERS.get(local.suffix)
             if builder is None:
                 raise ConfigError(
-                    f"data.source: {local}: unsupported file type '{local.suffix}' "
+                    f"{key}: {local}: unsupported file type '{local.suffix}' "
                     f"(use one of {', '.join(sorted(_LOCAL_BUILDERS))})"
                 )
             ds = datasets.load_dataset(builder, data_files=str(local), split="train")
+            where = str(local)
         elif local.is_dir():
-            ds = datasets.load_dataset(str(local), split=cfg.split)
-        elif local.suffix in _LOCAL_BUILDERS:
-            raise ConfigError(f"data.source: {local}: file not found")
+            ds = datasets.load_dataset(str(local), split=split)
+            where = str(local)
         else:
-            ds = datasets.load_dataset(cfg.source, split=cfg.split)
+            ds = datasets.load_dataset(source, split=split)
+            where = source
     except ConfigError:
         raise
     except Exception as exc:  # datasets raises many unrelated types for "cannot load"
-        raise ConfigError(f"data.source: cannot load '{cfg.source}': {exc}") from None
-    records = [dict(row) for row in ds]
-    if not records:
-        raise ConfigError(f"data.source: '{cfg.source}' holds no records")
+        raise ConfigError(f"{key}: cannot load '{source}': {exc}") from None
+    return [Record(f"{where} record {i + 1}", dict(row)) for i, row in enumerate(ds)]
+
+
+_NEEDS = {
+    "instruction": "'instruction' and 'output' strings (and optionally 'input')",
+    "chat": "'messages': a list of {role, content} with at least one 'assistant' turn",
+    "text": "a 'text' string",
+}
+
+
+def check_record(record: Record, fmt: str) -> None:
+    """Raise a ConfigError naming the record's file and line when it does not fit ``fmt``."""
+    row = record.fields
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"{record.where}: {what}; data.format '{fmt}' needs {_NEEDS[fmt]}")
+
+    if fmt == "text":
+        if not isinstance(row.get("text"), str) or not row["text"].strip():
+            raise bad("missing or empty 'text'")
+        return
+    if fmt == "instruction":
+        for field in ("instruction", "output"):
+            if not isinstance(row.get(field), str) or not row[field].strip():
+                raise bad(f"missing or empty '{field}'")
+        if row.get("input") is not None and not isinstance(row["input"], str):
+            raise bad("'input' must be a string")
+        return
+    turns = row.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise bad("missing 'messages'")
+    for n, turn in enumerate(turns, 1):
+        if (
+            not isinstance(turn, dict)
+            or not isinstance(turn.get("role"), str)
+            or not isinstance(turn.get("content"), str)
+        ):
+            raise bad(f"message {n} is not an object with string 'role' and 'content'")
+    if not any(turn["role"] == "assistant" for turn in turns):
+        raise bad("no 'assistant' message to train on")
+
+
+def read_checked(source: str, cfg: DataConfig, base_dir: Path, key: str = "data.source") -> list[Record]:
+    """Read a data file and check every record against data.format (the controller does it before a launch)."""
+    records = load_records(source, base_dir, cfg.split, key)
+    for record in records:
+        check_record(record, cfg.format)
     return records
 
 
-def render(record: dict[str, Any], cfg: DataConfig, index: int) -> list[tuple[str, bool]]:
-    """Split one record into text segments, each flagged whether it is trained on."""
+def messages(row: dict[str, Any], fmt: str) -> list[dict[str, str]]:
+    """The record as chat messages (instruction: one user turn, one assistant turn)."""
+    if fmt == "chat":
+        return [{"role": str(t["role"]), "content": str(t["content"])} for t in row["messages"]]
+    user = str(row["instruction"]) + (f"\n\n{row['input']}" if row.get("input") else "")
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": str(row["output"])}]
+
+
+def uses_chat_template(cfg: DataConfig, tokenizer: Any) -> bool:
+    """data.template: chat uses the tokenizer's own template; auto does so when the tokenizer has one."""
+    if cfg.format == "text" or cfg.template == "plain":
+        return False
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if cfg.template == "chat" and not has:
+        raise ConfigError("data.template: 'chat' was asked for but the tokenizer has no chat template; use 'plain'")
+    return has
+
+
+def _plain_prompt(turns: list[dict[str, str]]) -> str:
+    return "".join(f"<|{t['role']}|>\n{t['content']}\n" for t in turns) + "<|assistant|>\n"
+
+
+def prompt_text(row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> str:
+    """What the model is shown to answer a record's (last) question: everything before the answer."""
+    turns = messages(row, cfg.format)
+    last = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
+    if uses_chat_template(cfg, tokenizer):
+        return str(tokenizer.apply_chat_template(turns[:last], add_generation_prompt=True, tokenize=False))
+    if cfg.format == "instruction":
+        return _alpaca_prompt(row)
+    return _plain_prompt(turns[:last])
+
+
+def _alpaca_prompt(row: dict[str, Any]) -> str:
+    prompt = f"### Instruction:\n{row['instruction']}\n\n"
+    if row.get("input"):
+        prompt += f"### Input:\n{row['input']}\n\n"
+    return prompt + "### Response:\n"
+
+
+def _chat_segments(turns: list[dict[str, str]], tokenizer: Any, train_all: bool) -> list[tuple[str, bool]]:
+    """The templated conversation cut at every assistant turn: the turn itself is trained on."""
+    segments: list[tuple[str, bool]] = []
+    done = ""
+    for i, turn in enumerate(turns):
+        if turn["role"] != "assistant":
+            continue
+        prompt = str(tokenizer.apply_chat_template(turns[:i], add_generation_prompt=True, tokenize=False))
+        full = str(tokenizer.apply_chat_template(turns[: i + 1], tokenize=False))
+        if not (prompt.startswith(done) and full.startswith(prompt)):
+            raise ConfigError(
+                "data.template: the tokenizer's chat template does not render a conversation as a prefix of its "
+                "continuation, so answers cannot be told from prompts; use data.template: plain"
+            )
+        segments += [(prompt[len(done) :], train_all), (full[len(prompt) :], True)]
+        done = full
+    return segments
+
+
+def render(row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> list[tuple[str, bool]]:
+    """One record as text segments, each flagged whether it is trained on."""
     train_all = cfg.train_on == "all"
-    try:
-        if cfg.format == "text":
-            return [(str(record["text"]), True)]
-        if cfg.format == "instruction":
-            prompt = f"### Instruction:\n{record['instruction']}\n\n"
-            if record.get("input"):
-                prompt += f"### Input:\n{record['input']}\n\n"
-            prompt += "### Response:\n"
-            return [(prompt, train_all), (str(record["output"]), True)]
-        segments = []
-        for turn in record["messages"]:
-            segments.append((f"<|{turn['role']}|>\n", train_all))
-            segments.append((f"{turn['content']}\n", train_all or turn["role"] == "assistant"))
-        return segments
-    except (KeyError, TypeError) as exc:
-        raise ConfigError(
-            f"data.source: record {index} does not fit data.format '{cfg.format}' (missing {exc}); "
-            "instruction needs 'instruction' and 'output', chat needs 'messages', text needs 'text'"
-        ) from None
+    if cfg.format == "text":
+        return [(str(row["text"]), True)]
+    if uses_chat_template(cfg, tokenizer):
+        return _chat_segments(messages(row, cfg.format), tokenizer, train_all)
+    if cfg.format == "instruction":
+        return [(_alpaca_prompt(row), train_all), (str(row["output"]), True)]
+    segments = []
+    for turn in row["messages"]:
+        segments.append((f"<|{turn['role']}|>\n", train_all))
+        segments.append((f"{turn['content']}\n", train_all or turn["role"] == "assistant"))
+    return segments
 
 
-def tokenize(records: list[dict[str, Any]], cfg: DataConfig, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
-    """Token ids and labels per record, ending with EOS."""
+def tokenize(records: list[Record], cfg: DataConfig, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
+    """Token ids and labels per record. A chat template brings its own special tokens; plain text gets BOS/EOS."""
+    chat = uses_chat_template(cfg, tokenizer)
     eos = tokenizer.eos_token_id
     out = []
-    for i, record in enumerate(records):
-        ids: list[int] = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    for record in records:
+        check_record(record, cfg.format)
+        bos = [] if chat or tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+        ids: list[int] = list(bos)
         labels: list[int] = [IGNORE] * len(ids)
-        for text, trained in render(record, cfg, i):
+        for text, trained in render(record.fields, cfg, tokenizer):
             piece = tokenizer(text, add_special_tokens=False)["input_ids"]
             ids += piece
             labels += piece if trained else [IGNORE] * len(piece)
-        ids.append(eos)
-        labels.append(eos)
+        if not chat:
+            ids.append(eos)
+            labels.append(eos)
         out.append((ids, labels))
     return out
 
@@ -144,7 +289,18 @@ def build_blocks(examples: list[tuple[list[int], list[int]]], cfg: DataConfig, p
     return Blocks(ids, labels, mask)
 
 
+def _pad_id(tokenizer: Any) -> int:
+    return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+
+
 def prepare(cfg: DataConfig, tokenizer: Any, base_dir: Path) -> Blocks:
-    records = load_records(cfg, base_dir)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return build_blocks(tokenize(records, cfg, tokenizer), cfg, pad)
+    """The training blocks every rank builds identically."""
+    records = load_records(cfg.source, base_dir, cfg.split)
+    return build_blocks(tokenize(records, cfg, tokenizer), cfg, _pad_id(tokenizer))
+
+
+def prepare_eval(source: str, cfg: DataConfig, tokenizer: Any, base_dir: Path) -> tuple[list[Record], Blocks]:
+    """The held-out records and one unpacked row each (truncated to data.seq_len), for evaluation."""
+    records = load_records(source, base_dir, cfg.split, key="eval.source")
+    unpacked = cfg.model_copy(update={"packing": False})
+    return records, build_blocks(tokenize(records, cfg, tokenizer), unpacked, _pad_id(tokenizer))

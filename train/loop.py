@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from pathlib import Path
 
 import torch
 
-from train import checkpoint, distributed
+from train import checkpoint, distributed, evaluate
 from train.balance import Balancer
 from train.config import JobConfig
 from train.data import prepare
 from train.distributed import RankInfo
-from train.metrics import MetricsWriter, plot_loss, write_status
+from train.metrics import MetricsWriter, plot_loss, write_samples, write_status
 from train.model import load_model
 from train.sampler import GlobalBatchSampler
 from train.schedule import warmup_cosine
@@ -31,6 +32,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     torch.manual_seed(job.train.seed)
     model, tokenizer, backend = load_model(job, code_dir, info.device)
     blocks = prepare(job.data, tokenizer, code_dir)
+    held_out = evaluate.load(job, tokenizer, code_dir)
     sampler = GlobalBatchSampler(len(blocks), job.train.global_batch_size, job.train.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -72,6 +74,20 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             plan=balancer.plan.to_dict(),
         )
 
+    def held_out_loss(step: int, adapter: bool = True) -> None:
+        """Every rank evaluates its part; the main rank records the mean over all of them."""
+        if held_out is None or job.eval is None:
+            return
+        with contextlib.nullcontext() if adapter else evaluate.base_model(model):
+            value, count = evaluate.loss(model, held_out, info, job.eval.batch_size)
+        if writer is not None:
+            writer.log_eval(step, value, count, adapter)
+            log.info("step %d: held-out loss %.4f over %d answer tokens (%s)", step, value, count,
+                     "fine-tuned" if adapter else "base model")  # fmt: skip
+            write_status(run_dir, **{"eval_loss_after" if adapter else "eval_loss_before": round(value, 6)})
+
+    if start == 0:
+        held_out_loss(0, adapter=False)
     ddp.train()
     for step in range(start, job.train.max_steps):
         indices = sampler.micro_batches(step, info.rank, balancer.plan.shares, balancer.micro_sizes())
@@ -109,6 +125,8 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
                     row["tokens_per_s"],
                     "/".join(f"{t:.2f}" for t in balancer.clock.gathered),  # the step before: a balance check
                 )
+        if job.eval is not None and (done % job.eval.every == 0 or done == job.train.max_steps):
+            held_out_loss(done)
         if done % job.checkpoint.every == 0 or done == job.train.max_steps:
             saved = checkpoint.save(
                 run_dir,
@@ -128,6 +146,17 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         writer.close()
         model.save_pretrained(str(run_dir / "adapter"), save_embedding_layers=False)
         tokenizer.save_pretrained(str(run_dir / "adapter"))
+        checkpoint.name_base(run_dir / "adapter", job.model.source)
+        if held_out is not None and job.eval is not None and job.eval.samples:
+            asked = held_out.records[: job.eval.samples]
+            with evaluate.base_model(model):
+                before = evaluate.answers(model, tokenizer, job, asked, info.device)
+            after = evaluate.answers(model, tokenizer, job, asked, info.device)
+            items = [
+                {"question": evaluate.question(r), "reference": evaluate.reference(r), "before": b, "after": a}
+                for r, b, a in zip(asked, before, after, strict=True)
+            ]
+            log.info("answers before/after in %s", write_samples(run_dir, job.model.source, items))
         plot_loss(run_dir)
         write_status(run_dir, state="finished", step=job.train.max_steps)
         log.info("finished: adapter in %s", run_dir / "adapter")

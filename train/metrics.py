@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 METRICS = "metrics.jsonl"
+EVAL = "eval.jsonl"
 STATUS = "run.json"
+SAMPLES = "samples"  # samples.md for people, samples.json for the controller's summary
 
 
 def write_status(run_dir: Path, **fields: Any) -> None:
@@ -86,9 +88,51 @@ class MetricsWriter:
             self._tb.add_scalar(f"train/{key}", row[key], step)
         return row
 
+    def log_eval(self, step: int, loss: float, tokens: int, adapter: bool = True) -> dict[str, Any]:
+        """One held-out evaluation: step 0 with adapter=False is the base model."""
+        row = {
+            "step": step,
+            "eval_loss": round(loss, 6),
+            "tokens": tokens,
+            "model": "fine-tuned" if adapter else "base",
+        }
+        with (self.run_dir / EVAL).open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+        self._tb.add_scalar("eval/loss", loss, step)
+        return row
+
     def close(self) -> None:
         self._file.close()
         self._tb.close()
+
+
+def read_eval(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / EVAL
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+
+
+def read_samples(run_dir: Path) -> list[dict[str, str]]:
+    path = run_dir / f"{SAMPLES}.json"
+    return list(json.loads(path.read_text())) if path.is_file() else []
+
+
+def write_samples(run_dir: Path, model_name: str, items: list[dict[str, str]]) -> Path:
+    """samples.md: each held-out question with the reference, the base model's and the fine-tuned answer."""
+    (run_dir / f"{SAMPLES}.json").write_text(json.dumps(items, indent=1, ensure_ascii=False) + "\n")
+    lines = [
+        f"# Held-out questions: {model_name} before and after fine-tuning",
+        "",
+        "Greedy decoding, the same prompt for both; none of these questions is in the training data.",
+        "",
+    ]
+    for n, item in enumerate(items, 1):
+        lines += [f"## {n}. {item['question']}", ""]
+        for label, key in (("Reference", "reference"), ("Base model", "before"), ("Fine-tuned", "after")):
+            quoted = "\n".join(f"> {line}" if line else ">" for line in (item.get(key) or "(no answer)").splitlines())
+            lines += [f"**{label}:**", "", quoted, ""]
+    out = run_dir / f"{SAMPLES}.md"
+    out.write_text("\n".join(lines))
+    return out
 
 
 def plot_loss(run_dir: Path) -> Path | None:
@@ -102,9 +146,13 @@ def plot_loss(run_dir: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".", linewidth=1)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".", linewidth=1, label="training")
+    evals = read_eval(run_dir)
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], marker="o", label="held-out")
+        ax.legend()
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (mean per label token)")
+    ax.set_ylabel("loss (mean per answer token)")
     ax.set_title(run_dir.name)
     ax.grid(alpha=0.3)
     out = run_dir / "loss.png"

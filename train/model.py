@@ -32,8 +32,8 @@ def resolve_backend(cfg: ModelConfig, cuda: bool) -> str:
     if cfg.backend == "unsloth" and not unsloth_ok:
         why = "CUDA is not available" if not cuda else "the unsloth package is not installed"
         raise ConfigError(f"model.backend: 'unsloth' was asked for but {why}; use 'auto' or 'hf'")
-    if cfg.quantization == "4bit" and not cuda:
-        raise ConfigError("model.quantization: '4bit' needs CUDA (bitsandbytes); use 'none' on CPU")
+    if cfg.quantization == "4bit" and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("model.quantization: '4bit' needs bitsandbytes, which is not installed on this host")
     if cfg.backend == "auto":
         return "unsloth" if unsloth_ok else "hf"
     return cfg.backend
@@ -52,11 +52,12 @@ def load_tokenizer(cfg: ModelConfig, base_dir: Path) -> Any:
     return tok
 
 
-def quantization_config(cfg: ModelConfig) -> Any:
-    """bitsandbytes NF4 with double quantization, computing in the job's dtype (CUDA only)."""
+def quantization_config(cfg: ModelConfig, device: torch.device) -> Any:
+    """bitsandbytes NF4 with double quantization. It computes in the job's dtype; a float32 job computes in
+    bfloat16 on CUDA (the usual QLoRA setting) and in float32 on CPU (where bfloat16 matmuls are slow)."""
     from transformers import BitsAndBytesConfig
 
-    compute = DTYPES[cfg.dtype] if cfg.dtype != "float32" else torch.bfloat16
+    compute = DTYPES[cfg.dtype] if cfg.dtype != "float32" or device.type == "cpu" else torch.bfloat16
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
@@ -77,16 +78,14 @@ def load_base_hf(cfg: ModelConfig, base_dir: Path, device: torch.device, seed: i
             torch.manual_seed(seed)  # identical base weights on every rank
             model: Any = AutoModelForCausalLM.from_config(config, dtype=dtype)
             return cast(torch.nn.Module, model.to(device))
-        kwargs: dict[str, Any] = {"dtype": dtype}
-        if device.type == "cuda":
-            # One whole copy per rank: "auto" would silently split the model across GPUs.
-            kwargs["device_map"] = {"": device.index}
+        # One whole copy per rank on its own device: "auto" would silently split the model across GPUs.
+        kwargs: dict[str, Any] = {"dtype": dtype, "device_map": {"": device.index if device.type == "cuda" else "cpu"}}
         if cfg.quantization == "4bit":
-            kwargs["quantization_config"] = quantization_config(cfg)
+            kwargs["quantization_config"] = quantization_config(cfg, device)
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.source: cannot load '{name}': {exc}") from None
-    return model if device.type == "cuda" else model.to(device)
+    return cast(torch.nn.Module, model)
 
 
 def add_lora_hf(model: Any, lora: LoraConfig, cfg: ModelConfig, checkpointing: bool) -> Any:

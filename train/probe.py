@@ -109,7 +109,11 @@ def _code_hash(code_dir: Path) -> dict[str, Any]:
         for name in SYNCED:
             path = code_dir / name
             for file in path.rglob("*") if path.is_dir() else [path]:
-                if file.is_file() and not SKIP_PARTS.intersection(file.relative_to(code_dir).parts):
+                payload = (file.parent / "ugro-model.yaml").is_file() and file.name not in (
+                    "ugro-model.yaml",
+                    ".gitignore",
+                )
+                if file.is_file() and not payload and not SKIP_PARTS.intersection(file.relative_to(code_dir).parts):
                     found.add(file.relative_to(code_dir).as_posix())
         files = sorted(found)
     if not files:

@@ -1,6 +1,6 @@
-"""Generate cluster-troubleshooting.jsonl: hand-written answers, each asked in a few phrasings.
+"""Generate train.jsonl and eval.jsonl: hand-written answers, each asked in a few phrasings.
 
-    python3 data/sample/generate.py   # rewrites data/sample/cluster-troubleshooting.jsonl
+    python3 data/sample/generate.py   # rewrites data/sample/train.jsonl and data/sample/eval.jsonl
 
 Every answer below is written by hand. Each fact is asked in two phrasings taken from the three
 templates of its kind (host names rotate through the reference cluster), and a few extra records
@@ -15,7 +15,13 @@ import sys
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-OUT = Path(__file__).resolve().parent / "cluster-troubleshooting.jsonl"
+HERE = Path(__file__).resolve().parent
+TRAIN = HERE / "train.jsonl"
+EVAL = HERE / "eval.jsonl"
+# Held out: the second phrasing of every EVAL_EVERY-th fact. The model is trained on the first phrasing of
+# that fact and asked the other one: the evaluation measures whether a fine-tune taught the fact itself,
+# not a string, and no evaluation question is ever trained on word for word.
+EVAL_EVERY = 8
 HOSTS: tuple[str, ...] = ("master", "node4070", "node3070")
 
 Kind = Literal["S", "C", "T", "A", "Q"]
@@ -1280,16 +1286,19 @@ EXAMPLES: list[Example] = [
 PHRASINGS = 2  # of the three templates per kind; fact i uses templates i and i+1 (mod 3)
 
 
-def build() -> list[dict[str, str]]:
+def build() -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """(training rows, held-out rows)."""
     rows: list[dict[str, str]] = []
+    held_out: list[dict[str, str]] = []
     for i, fact in enumerate(FACTS):
         for j in range(PHRASINGS):
             template = TEMPLATES[fact.kind][(i + j) % 3]
             host = fact.hosts[(i // 3 + j) % len(fact.hosts)]
-            rows.append({"instruction": template.format(topic=fact.topic, host=host), "output": fact.answer})
+            row = {"instruction": template.format(topic=fact.topic, host=host), "output": fact.answer}
+            (held_out if j == 1 and i % EVAL_EVERY == 0 else rows).append(row)
     for ex in EXAMPLES:
         rows.append({"instruction": ex.instruction, "input": ex.input, "output": ex.output})
-    return rows
+    return rows, held_out
 
 
 def check(rows: list[dict[str, str]]) -> None:
@@ -1307,14 +1316,16 @@ def check(rows: list[dict[str, str]]) -> None:
 
 
 def main() -> None:
-    rows = build()
-    check(rows)
-    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    OUT.write_text(text, encoding="utf-8")
-    sys.stdout.write(
-        f"wrote {OUT}: {len(rows)} pairs from {len(FACTS)} facts and {len(EXAMPLES)} examples, "
-        f"{len(text.encode())} bytes\n"
-    )
+    rows, held_out = build()
+    check(rows + held_out)
+    trained = {row["instruction"] for row in rows}
+    if any(row["instruction"] in trained for row in held_out):
+        raise SystemExit("a held-out question is also a training question")
+    for path, part in ((TRAIN, rows), (EVAL, held_out)):
+        text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in part)
+        path.write_text(text, encoding="utf-8")
+        sys.stdout.write(f"wrote {path}: {len(part)} pairs, {len(text.encode())} bytes\n")
+    sys.stdout.write(f"from {len(FACTS)} facts and {len(EXAMPLES)} examples\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""What the controller checks and prepares for a job before any host is touched.
+
+The data is read once here: a malformed record, a missing field or an empty file is one error naming
+the file and line, not an exception inside a rank after launch. A base model that comes from a wheel
+is converted here, once, so that every node receives the same files with the code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from train import basemodel
+from train.config import ConfigError, JobConfig, load_job
+from train.data import Record, messages, read_checked
+
+
+@dataclass(frozen=True)
+class DataSummary:
+    train_records: int
+    eval_records: int
+
+
+def _questions(records: list[Record], fmt: str) -> dict[str, str]:
+    """Every record's prompt side (all turns but the answers) -> where it is."""
+    found: dict[str, str] = {}
+    for record in records:
+        if fmt == "text":
+            key = str(record.fields["text"])
+        else:
+            key = "\n".join(t["content"] for t in messages(record.fields, fmt) if t["role"] != "assistant")
+        found.setdefault(key, record.where)
+    return found
+
+
+def check_data(job: JobConfig, repo: Path) -> DataSummary:
+    """Read and check the training and held-out data; an evaluation question also trained on is an error."""
+    train = read_checked(job.data.source, job.data, repo)
+    if job.eval is None:
+        return DataSummary(len(train), 0)
+    held_out = read_checked(job.eval.source, job.data, repo, key="eval.source")
+    trained = _questions(train, job.data.format)
+    for question, where in _questions(held_out, job.data.format).items():
+        if question in trained:
+            raise ConfigError(
+                f"{where}: this held-out question is also trained on ({trained[question]}), so the evaluation "
+                "would measure memory, not learning; remove it from one of the two files"
+            )
+    return DataSummary(len(train), len(held_out))
+
+
+def model_dir(job: JobConfig, repo: Path) -> Path | None:
+    """The job's base model directory inside the repository, when it is one (not a hub name)."""
+    path = Path(job.model.source)
+    path = path if path.is_absolute() else repo / path
+    return path if path.is_dir() else None
+
+
+def prepare_model(job: JobConfig, repo: Path, say: object = print) -> None:
+    """Convert the job's base model from its wheel when its directory has a recipe and is not converted yet."""
+    directory = model_dir(job, repo)
+    if directory is None:
+        return
+    try:
+        basemodel.ensure(directory, say)
+    except basemodel.ModelError as exc:
+        raise ConfigError(f"model.source: {exc}") from None
+
+
+def model_dirs(job_file: Path, repo: Path) -> list[str]:
+    """The job's converted base model directory relative to the repository (the launch copies it to nodes)."""
+    try:
+        job = load_job(job_file)
+    except ConfigError:
+        return []
+    directory = model_dir(job, repo)
+    if directory is None or not (directory / basemodel.RECIPE).is_file():
+        return []
+    return [directory.resolve().relative_to(repo.resolve()).as_posix()]
