@@ -17,10 +17,26 @@ def _write(path: Path, data: object) -> Path:
     return path
 
 
-def test_default_job_is_valid() -> None:
+def test_default_job_is_the_real_model_with_a_held_out_set() -> None:
     job = load_job(REPO / "jobs" / "default.yaml")
-    assert job.model.init == "random"
+    assert job.model.init == "pretrained" and job.model.source == "models/smollm2-135m-instruct"
+    assert job.eval is not None and job.eval.source != job.data.source
     assert len(job.cluster_hash()) == 64
+    assert load_job(REPO / "jobs" / "tiny.yaml").model.init == "random"
+
+
+def test_a_held_out_question_also_trained_on_is_named(tmp_path: Path) -> None:
+    from train.jobcheck import check_data
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"instruction": "Which port?", "output": "29500"}\n{"instruction": "Why?", "output": "x"}\n')
+    held = tmp_path / "eval.jsonl"
+    held.write_text('{"instruction": "Other?", "output": "y"}\n{"instruction": "Why?", "output": "x"}\n')
+    job = load_job(_write(tmp_path / "j.yaml", small_job(data={"source": str(train)}, eval={"source": str(held)})))
+    with pytest.raises(
+        ConfigError, match=r"eval.jsonl:2: this held-out question is also trained on \(.*train.jsonl:2\)"
+    ):
+        check_data(job, REPO)
 
 
 def test_unknown_key_names_file_and_dotted_key(tmp_path: Path) -> None:

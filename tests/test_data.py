@@ -9,7 +9,7 @@ import torch
 from conftest import REPO
 
 from train.config import ConfigError, DataConfig, ModelConfig
-from train.data import IGNORE, build_blocks, load_records, prepare, tokenize
+from train.data import IGNORE, Record, build_blocks, load_records, prepare, read_checked, tokenize
 from train.model import load_tokenizer
 
 
@@ -21,7 +21,7 @@ def tokenizer() -> object:
 def test_completion_only_labels_cover_exactly_the_answer(tokenizer: object) -> None:
     cfg = DataConfig(source="x.jsonl", format="instruction", train_on="completion")
     record = {"instruction": "Why does rank 1 hang?", "output": "Its firewall drops 29500."}
-    ((ids, labels),) = tokenize([record], cfg, tokenizer)
+    ((ids, labels),) = tokenize([Record("t.jsonl:1", record)], cfg, tokenizer)
     trained = [t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE]
     text = tokenizer.decode(trained)  # type: ignore[attr-defined]
     assert text.startswith("Its firewall drops 29500.")
@@ -30,22 +30,23 @@ def test_completion_only_labels_cover_exactly_the_answer(tokenizer: object) -> N
 
 def test_train_on_all_labels_every_token(tokenizer: object) -> None:
     cfg = DataConfig(source="x.jsonl", train_on="all")
-    ((ids, labels),) = tokenize([{"instruction": "a", "output": "b"}], cfg, tokenizer)
+    ((ids, labels),) = tokenize([Record("t.jsonl:1", {"instruction": "a", "output": "b"})], cfg, tokenizer)
     assert labels[1:] == ids[1:]
 
 
 def test_chat_format_trains_on_assistant_turns(tokenizer: object) -> None:
     cfg = DataConfig(source="x.jsonl", format="chat")
     record = {"messages": [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]}
-    ((ids, labels),) = tokenize([record], cfg, tokenizer)
+    ((ids, labels),) = tokenize([Record("t.jsonl:1", record)], cfg, tokenizer)
     trained = tokenizer.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE])  # type: ignore[attr-defined]
     assert "pong" in trained and "ping" not in trained
 
 
 def test_record_that_does_not_fit_the_format_is_named(tokenizer: object) -> None:
     cfg = DataConfig(source="x.jsonl", format="instruction")
-    with pytest.raises(ConfigError, match=r"record 1 does not fit data.format 'instruction'"):
-        tokenize([{"instruction": "a", "output": "b"}, {"prompt": "a"}], cfg, tokenizer)
+    records = [Record("t.jsonl:1", {"instruction": "a", "output": "b"}), Record("t.jsonl:2", {"prompt": "a"})]
+    with pytest.raises(ConfigError, match=r"t.jsonl:2: missing or empty 'instruction'; data.format 'instruction'"):
+        tokenize(records, cfg, tokenizer)
 
 
 def test_packing_makes_full_blocks_without_padding() -> None:
@@ -67,7 +68,7 @@ def test_no_packing_pads_and_masks() -> None:
 
 def test_sample_data_loads_through_datasets(tokenizer: object) -> None:
     cfg = DataConfig(source="data/sample/train.jsonl", seq_len=128)
-    assert len(load_records(cfg, REPO)) >= 300
+    assert len(load_records(cfg.source, REPO)) >= 300
     blocks = prepare(cfg, tokenizer, REPO)
     assert blocks.input_ids.shape[1] == 128 and len(blocks) > 50
     assert blocks.input_ids.dtype == torch.long
@@ -75,4 +76,44 @@ def test_sample_data_loads_through_datasets(tokenizer: object) -> None:
 
 def test_missing_data_file_is_a_config_error(tmp_path: Path, tokenizer: object) -> None:
     with pytest.raises(ConfigError, match=r"data\.source"):
-        load_records(DataConfig(source=str(tmp_path / "absent.jsonl")), REPO)
+        load_records(str(tmp_path / "absent.jsonl"), REPO)
+
+
+@pytest.mark.parametrize(
+    ("lines", "fmt", "message"),
+    [
+        (
+            '{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n',
+            "instruction",
+            r"bad.jsonl:2: missing or empty 'output'",
+        ),
+        (
+            '{"instruction": "a", "output": "b"}\n\n{"instruction": "c", "output": \n',
+            "instruction",
+            r"bad.jsonl:3: not valid JSON",
+        ),
+        ('["a", "b"]\n', "instruction", r"bad.jsonl:1: a record must be a JSON object"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}\n', "chat", r"bad.jsonl:1: no 'assistant' message"),
+        ('{"text": 3}\n', "text", r"bad.jsonl:1: missing or empty 'text'"),
+        ("", "instruction", r"holds no records \(an empty file\?\)"),
+    ],
+)
+def test_a_bad_record_is_named_by_file_and_line(tmp_path: Path, lines: str, fmt: str, message: str) -> None:
+    (tmp_path / "bad.jsonl").write_text(lines)
+    cfg = DataConfig(source=str(tmp_path / "bad.jsonl"), format=fmt)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=message):
+        read_checked(cfg.source, cfg, REPO)
+
+
+def test_chat_template_labels_only_the_answer_and_its_end_token() -> None:
+    from transformers import AutoTokenizer
+
+    from train.basemodel import ensure
+
+    ensure(REPO / "models" / "smollm2-135m-instruct")
+    tok = AutoTokenizer.from_pretrained(str(REPO / "models" / "smollm2-135m-instruct"))
+    cfg = DataConfig(source="x.jsonl")
+    ((ids, labels),) = tokenize([Record("t:1", {"instruction": "Which port?", "output": "29500."})], cfg, tok)
+    trained = tok.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE])
+    assert trained.startswith("29500.<|im_end|>")
+    assert tok.decode(ids).startswith("<|im_start|>system") and "Which port?" not in trained
