@@ -70,6 +70,34 @@ def test_a_bad_job_file_stops_before_anything_starts(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_bad_data_record_stops_before_anything_starts(tmp_path: Path) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "answer": "d"}\n')
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(small_job(name="baddata", data={"source": str(data)})))
+    result = _cli("train", "--job", str(bad))
+    assert result.returncode == 2
+    flat = " ".join(result.stderr.split())
+    assert "data.jsonl:2: missing or empty 'output'" in flat, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not list((REPO / "runs").glob("baddata-*")), "nothing may start"
+
+
+def test_unsloth_where_it_cannot_run_is_named_before_launch(inventory: Path) -> None:
+    name = f"unsloth-{free_port()}"
+    path = REPO / "jobs" / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(small_job(name=name, model={"backend": "unsloth"}), sort_keys=False))
+    try:
+        result = _cli("train", "--job", str(path), "--inventory", str(inventory))
+    finally:
+        path.unlink()
+    flat = " ".join(result.stderr.split())
+    assert result.returncode == 2, result.stdout[-2000:]
+    assert "localhost: model.backend 'unsloth' needs CUDA, and this host has no NVIDIA GPU" in flat
+    assert "Traceback" not in result.stderr
+    assert not list((REPO / "runs").glob(f"{name}-*")), "nothing may start"
+
+
 def test_a_missing_inventory_is_named(job_file: Path) -> None:
     result = _cli("train", "--job", str(job_file), "--inventory", "inventory/nope.yml")
     assert result.returncode == 2

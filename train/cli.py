@@ -178,7 +178,7 @@ def train(
         raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
     _prepare_model(job)
     if not skip_preflight:
-        _fast_preflight(inventory)
+        _fast_preflight(inventory, job.model.backend)
     runs = REPO / "runs"
     job_id = _pick_run(job, resume, runs)
     run_dir = runs / job_id
@@ -233,9 +233,14 @@ def _preflight(inventory: Path, thresholds: Thresholds, job_file: str | None, he
         raise _fail(f"preflight could not run on {inventory}: {exc}") from None
 
 
-def _fast_preflight(inventory: Path) -> None:
-    """The fast checks before a launch: refuse on a FAIL, show WARNs, stay quiet when all pass."""
+def _fast_preflight(inventory: Path, backend: str) -> None:
+    """The fast checks before a launch: refuse on a FAIL (or a backend a host cannot run), show WARNs."""
     outcome = _preflight(inventory, Thresholds(), None, heavy=False)
+    unable = preflight_run.backend_problems(outcome.facts, backend)
+    if unable:
+        for line in unable:
+            err.print(f"[bold red]{line}[/]", highlight=False)
+        raise _fail("not launching: use model.backend 'auto' (unsloth where it can run) or 'hf'", code=2)
     report = outcome.report
     line = f"preflight: {preflight_run.summary(report)} in {outcome.seconds['fast']:.1f} s"
     if report.failed():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,25 @@ class PreflightError(RuntimeError):
 class Outcome:
     report: Report
     seconds: dict[str, float]
+    facts: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> its probe report
+
+
+def backend_problems(facts: dict[str, dict[str, Any]], backend: str) -> list[str]:
+    """Why ``model.backend: unsloth`` cannot run on a host (no NVIDIA GPU, unsloth not installed), per host."""
+    if backend != "unsloth":
+        return []
+    problems = []
+    for host, report in facts.items():
+        gpus = report.get("gpu", {}).get("gpus") or []
+        version = report.get("versions", {}).get("unsloth")
+        if not gpus:
+            problems.append(f"{host}: model.backend 'unsloth' needs CUDA, and this host has no NVIDIA GPU")
+        elif not version:
+            problems.append(
+                f"{host}: model.backend 'unsloth' but unsloth is not installed in its environment "
+                "(make provision installs requirements/gpu.lock on GPU hosts)"
+            )
+    return problems
 
 
 def _playbook_error(run: PlaybookRun) -> str:
@@ -114,13 +133,14 @@ def preflight(
     inventory: Path, control: Path, thresholds: Thresholds, job_file: str | None = None, heavy: bool = False
 ) -> Outcome:
     started = time.monotonic()
-    report, _ = run_fast(inventory, control, thresholds)
+    report, run = run_fast(inventory, control, thresholds)
+    facts = {h: dict(f["preflight_report"]) for h, f in run.facts.items() if "preflight_report" in f}
     seconds = {"fast": time.monotonic() - started}
     if heavy and job_file is not None:
         mid = time.monotonic()
         run_heavy(report, inventory, job_file, control, thresholds)
         seconds["heavy"] = time.monotonic() - mid
-    return Outcome(report, seconds)
+    return Outcome(report, seconds, facts)
 
 
 def _cell_text(cell: Cell) -> str:
