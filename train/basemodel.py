@@ -12,7 +12,6 @@ the files with the code (train/codesync.py), never from the network.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -25,7 +24,9 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-RECIPE = "ugro-model.yaml"
+from train.checkpoint import sha256_file
+from train.codesync import MODEL_RECIPE as RECIPE
+
 MARKER = ".ugro-model.json"
 
 
@@ -51,14 +52,6 @@ def cache_root() -> Path:
         return Path(os.environ["UGRO_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "ugro"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def load_recipe(model_dir: Path) -> Recipe | None:

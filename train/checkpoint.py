@@ -39,7 +39,8 @@ class Restored:
     extra: dict[str, Any]  # what the run saved beside the weights (world size, batch plan, ...)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with path.open("rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -88,7 +89,7 @@ def verify(path: Path) -> str | None:
         file = path / rel
         if not file.is_file():
             return f"{rel} is missing"
-        if _sha256(file) != expected:
+        if sha256_file(file) != expected:
             return f"{rel} does not match its checksum"
     return None
 
@@ -143,7 +144,7 @@ def save(
         **extra,
     }
     torch.save(state, tmp / "state.pt")
-    files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
     _fsync_tree(tmp)
     if final.exists():

@@ -40,14 +40,17 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _load(job_file: Path) -> JobConfig:
+def _checked(job_file: Path) -> tuple[JobConfig, jobcheck.DataSummary]:
     """The job file and its data, checked before anything starts (an error names the file and line)."""
     try:
         job = load_job(job_file)
-        jobcheck.check_data(job, REPO)
+        return job, jobcheck.check_data(job, REPO)
     except ConfigError as exc:
         raise _fail(str(exc)) from None
-    return job
+
+
+def _load(job_file: Path) -> JobConfig:
+    return _checked(job_file)[0]
 
 
 def _prepare_model(job: JobConfig) -> None:
@@ -121,11 +124,7 @@ def _summary(run_dir: Path) -> None:
 @app.command()
 def validate(job_file: JobOpt = Path("jobs/default.yaml")) -> None:
     """Check a job file and print its cluster-wide hash."""
-    try:
-        job = load_job(job_file)
-        data = jobcheck.check_data(job, REPO)
-    except ConfigError as exc:
-        raise _fail(str(exc)) from None
+    job, data = _checked(job_file)
     held = f", {data.eval_records} held-out" if job.eval else ""
     console.print(
         f"{job_file}: ok (job '{job.name}', {data.train_records} training records{held}, "
@@ -191,7 +190,7 @@ def train(
         "ugro_wait": False,
         "ugro_code_archive": str(control / "code.tar.gz"),
         "ugro_code_hash": code_hash,
-        "ugro_model_dirs": jobcheck.model_dirs(job_file, REPO),
+        "ugro_model_dirs": jobcheck.model_dirs(job, REPO),
     }
     console.print(
         f"job [bold]{job_id}[/] on {inventory}: {job.train.max_steps} steps, global batch "

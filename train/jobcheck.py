@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from train import basemodel
-from train.config import ConfigError, JobConfig, load_job
+from train.config import ConfigError, JobConfig
 from train.data import Record, messages, read_checked
 
 
@@ -67,12 +67,8 @@ def prepare_model(job: JobConfig, repo: Path, say: object = print) -> None:
         raise ConfigError(f"model.source: {exc}") from None
 
 
-def model_dirs(job_file: Path, repo: Path) -> list[str]:
+def model_dirs(job: JobConfig, repo: Path) -> list[str]:
     """The job's converted base model directory relative to the repository (the launch copies it to nodes)."""
-    try:
-        job = load_job(job_file)
-    except ConfigError:
-        return []
     directory = model_dir(job, repo)
     if directory is None or not (directory / basemodel.RECIPE).is_file():
         return []

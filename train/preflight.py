@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from train import codesync, jobcheck
+from train.config import load_job
 from train.launcher import REPO, PlaybookRun, run_playbook
 from train.preflight_checks import NETWORK_ROWS, ORDER, Cell, Check, Report, Thresholds, judge_fast, judge_heavy
 
@@ -112,7 +113,7 @@ def run_heavy(report: Report, inventory: Path, job_file: str, control: Path, thr
         "ugro_job_file": job_file,
         "ugro_code_archive": str(control / "code.tar.gz"),
         "ugro_code_hash": code_hash,
-        "ugro_model_dirs": jobcheck.model_dirs(REPO / job_file, REPO),
+        "ugro_model_dirs": jobcheck.model_dirs(load_job(REPO / job_file), REPO),  # the CLI validated it
     }
     run = run_playbook("preflight.yml", inventory, extravars, control / "heavy")
     heavy = {
