@@ -1,9 +1,10 @@
-# ugro — every target is a thin call into the Python controller (train/cli.py) or a test runner.
+# ugro — every target is a thin call into the Python controller (the `ugro` command, ugro/cli.py) or a test runner.
 # Knobs live in the job file (JOB) and the inventory's group_vars (INVENTORY), never here.
 
 PYTHON    ?= python3
 VENV      := .venv
 PY        := $(VENV)/bin/python
+UGRO      := $(VENV)/bin/ugro
 JOB       ?= jobs/default.yaml
 INVENTORY ?= inventory/local.yml
 RESUME    ?= none
@@ -31,36 +32,37 @@ help:
 # together, once; a changed lock reinstalls. Nodes get node.lock (+ gpu.lock) from role python_env.
 LOCKS := requirements/node.lock requirements/controller.lock requirements/dev.lock
 
-$(VENV)/.installed: $(LOCKS)
+$(VENV)/.installed: $(LOCKS) pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet $(addprefix -r ,$(LOCKS))
+	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
 venv: $(VENV)/.installed
 
 train: venv
-	$(PY) -m train.cli train --job $(JOB) --inventory $(INVENTORY) --resume $(RESUME)
+	$(UGRO) train --job $(JOB) --inventory $(INVENTORY) --resume $(RESUME)
 
 preflight: venv
-	$(PY) -m train.cli preflight --job $(JOB) --inventory $(INVENTORY) $(if $(JSON),--json)
+	$(UGRO) preflight --job $(JOB) --inventory $(INVENTORY) $(if $(JSON),--json)
 
 doctor: venv
-	$(PY) -m train.cli doctor $(if $(JOB_ID),--job-id $(JOB_ID)) $(if $(JSON),--json)
+	$(UGRO) doctor $(if $(JOB_ID),--job-id $(JOB_ID)) $(if $(JSON),--json)
 
 status logs stop: venv
-	$(PY) -m train.cli $@ --inventory $(INVENTORY) $(if $(JOB_ID),--job-id $(JOB_ID))
+	$(UGRO) $@ --inventory $(INVENTORY) $(if $(JOB_ID),--job-id $(JOB_ID))
 
 # The run's adapter merged into its base model (runs/<job-id>/merged), checked against base + adapter.
 export: venv
-	$(PY) -m train.cli export $(if $(JOB_ID),--job-id $(JOB_ID))
+	$(UGRO) export $(if $(JOB_ID),--job-id $(JOB_ID))
 
 validate: venv
-	$(PY) -m train.cli validate --job $(JOB)
+	$(UGRO) validate --job $(JOB)
 
 lint: venv
 	$(VENV)/bin/ansible-lint --profile production
-	$(VENV)/bin/ruff check train tests models molecule data
-	$(VENV)/bin/ruff format --check train tests models molecule data
+	$(VENV)/bin/ruff check train ugro library bench tests models molecule data
+	$(VENV)/bin/ruff format --check train ugro library bench tests models molecule data
 
 typecheck: venv
 	$(VENV)/bin/mypy
@@ -79,12 +81,12 @@ provision: venv
 	$(VENV)/bin/ansible-playbook -i $(INVENTORY) playbooks/provision.yml $(ANSIBLE_ARGS)
 
 # The test cluster on this machine (root): N hosts tb1..tbN, inventory in .testbed/inventory.yml.
-# Figures, not pass/fail: see train/bench.py. The last line printed is the balanced/ideal ratio.
+# Figures, not pass/fail: see bench/bench.py. The last line printed is the balanced/ideal ratio.
 bench: venv
-	$(PY) -m train.bench run $(BENCH_ARGS)
+	$(PY) -m bench.bench run $(BENCH_ARGS)
 
 bench-ddp-init: venv
-	$(PY) -m train.ddpinit run
+	$(PY) -m bench.ddp_init run
 
 testbed-up: venv
 	$(PY) molecule/testbed.py up --hosts $(or $(N),3) --dir .testbed $(if $(ROOTFS),--rootfs)

@@ -117,7 +117,7 @@ def test_a_slow_rank_gets_a_smaller_share_and_a_resume_on_more_ranks_plans_again
 @pytest.mark.slow
 def test_ddp_start_up_does_not_broadcast_the_frozen_base_across_hosts(testbed: Any) -> None:
     """On the 3-host test cluster: plain DDP sends the whole base at construction, ugro only the LoRA weights."""
-    from train.ddpinit import measure_on_testbed
+    from bench.ddp_init import measure_on_testbed
 
     figures = measure_on_testbed(testbed, hidden=256, layers=2, vocab=4096)
     assert figures["world_size"] == 3
@@ -131,7 +131,7 @@ def test_make_bench_emulates_the_speeds_plans_and_ends_with_the_ratio(tmp_path: 
     args = ["--steps", "7", "--skip", "5", "--rounds", "1", "--pairs", "1"]
     args += ["--global-batch", "12", "--micro-batch", "4", "--seq-len", "32", "--out", str(tmp_path)]
     result = subprocess.run(
-        [PYTHON, "-m", "train.bench", "run", *args],
+        [PYTHON, "-m", "bench.bench", "run", *args],
         cwd=REPO,
         env=run_env(),
         capture_output=True,

@@ -59,7 +59,7 @@ def long_job_file() -> Iterator[Path]:
 
 
 def _cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "train.cli", *args], cwd=REPO, env=run_env(), capture_output=True,
+    return subprocess.run([PYTHON, "-m", "ugro.cli", *args], cwd=REPO, env=run_env(), capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
 
 
@@ -103,7 +103,7 @@ def test_three_hosts_train_and_the_controller_gets_every_log(cluster: Path, job_
 
 def test_stop_mid_run_leaves_no_process_and_resume_continues(cluster: Path, long_job_file: Path) -> None:
     follower = subprocess.Popen(
-        [PYTHON, "-m", "train.cli", "train", "--job", str(long_job_file), "--inventory", str(cluster), "--poll", "3"],
+        [PYTHON, "-m", "ugro.cli", "train", "--job", str(long_job_file), "--inventory", str(cluster), "--poll", "3"],
         cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:

@@ -26,7 +26,7 @@ def test_default_job_is_the_real_model_with_a_held_out_set() -> None:
 
 
 def test_a_held_out_question_also_trained_on_is_named(tmp_path: Path) -> None:
-    from train.jobcheck import check_data
+    from ugro.jobcheck import check_data
 
     train = tmp_path / "train.jsonl"
     train.write_text('{"instruction": "Which port?", "output": "29500"}\n{"instruction": "Why?", "output": "x"}\n')
@@ -135,7 +135,7 @@ def test_cli_reports_one_error_without_traceback(tmp_path: Path) -> None:
     data["optim"]["learning_rate"] = 1e-3
     path = _write(tmp_path / "job.yaml", data)
     result = subprocess.run(
-        [PYTHON, "-m", "train.cli", "validate", "--job", str(path)], cwd=REPO, capture_output=True, text=True
+        [PYTHON, "-m", "ugro.cli", "validate", "--job", str(path)], cwd=REPO, capture_output=True, text=True
     )
     assert result.returncode == 2
     assert "optim.learning_rate" in result.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import PYTHON, REPO, run_env
 
-from train import doctor
+from ugro import doctor
 
 FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
 
@@ -42,7 +42,7 @@ def test_a_clean_run_has_no_finding() -> None:
 
 def _doctor(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [PYTHON, "-m", "train.cli", "doctor", "--run-dir", str(run_dir), *args],
+        [PYTHON, "-m", "ugro.cli", "doctor", "--run-dir", str(run_dir), *args],
         cwd=REPO,
         env=run_env(),
         capture_output=True,

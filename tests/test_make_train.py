@@ -43,7 +43,7 @@ def inventory(tmp_path: Path) -> Path:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [PYTHON, "-m", "train.cli", *args], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600
+        [PYTHON, "-m", "ugro.cli", *args], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600
     )
 
 

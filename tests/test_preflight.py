@@ -20,14 +20,15 @@ import pytest
 import yaml
 from conftest import PYTHON, REPO, run_env, small_job
 
-from train import codesync, probe
-from train.allreduce import bus_bandwidth
-from train.preflight_checks import Cell, Report, Thresholds, _ephemeral_row, _ifname_matches, _memory_cell, judge_fast
+from train import probe
+from train.tools.allreduce import bus_bandwidth
+from ugro.module_utils import ugro_codetree as codesync
+from ugro.preflight_checks import Cell, Report, Thresholds, _ephemeral_row, _ifname_matches, _memory_cell, judge_fast
 
 
 def _cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [PYTHON, "-m", "train.cli", *args], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout
+        [PYTHON, "-m", "ugro.cli", *args], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import REPO, run_env, torchrun, write_job
 
-from train import basemodel
 from train.metrics import read_eval, read_metrics
+from ugro import basemodel
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def test_export_merges_into_a_model_equal_to_base_plus_adapter(qlora_run: Path, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from train.export import export
+    from ugro.export import export
 
     out = tmp_path / "merged"
     export(qlora_run / "adapter", out, REPO)

@@ -1,1 +1,1 @@
-"""ugro: the training package every rank runs, and the controller CLI that launches it."""
+"""ugro's rank code: what every rank runs under torchrun, and the only Python a node receives."""

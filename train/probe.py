@@ -38,7 +38,7 @@ from typing import Any
 # The packages whose versions must match on every host (distribution name -> label).
 PACKAGES = {"torch": "torch", "transformers": "transformers", "peft": "peft", "unsloth": "unsloth"}
 NCCL_DISTS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
-# What the code sync ships (train/codesync.py SYNCED); a host never synced is hashed by walking these.
+# What the code sync ships (ugro/codesync.py SYNCED); a host never synced is hashed by walking these.
 SYNCED = ("train", "jobs", "models", "data", "requirements", "pyproject.toml")
 MANIFEST = ".ugro-code-manifest"
 SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}

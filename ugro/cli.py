@@ -1,4 +1,4 @@
-"""The controller: ``python -m train.cli train|validate``. The Makefile targets call this.
+"""The controller: ``python -m ugro.cli train|validate``. The Makefile targets call this.
 
 It validates the job before anything starts, runs the launch playbook through ansible-runner,
 follows the run's progress, and says where the results are.
@@ -16,13 +16,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from train import codesync, doctor, jobcheck
-from train import preflight as preflight_run
 from train.config import ConfigError, JobConfig, load_job
-from train.follow import follow, local_source, remote_source
-from train.launcher import REPO, PlaybookRun, run_playbook
 from train.metrics import read_eval, read_metrics, read_samples
-from train.preflight_checks import Thresholds
+from ugro import codesync, doctor, jobcheck
+from ugro import preflight as preflight_run
+from ugro.follow import follow, local_source, remote_source
+from ugro.launcher import REPO, PlaybookRun, run_playbook
+from ugro.preflight_checks import Thresholds
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ugro: LoRA fine-tuning across the GPUs of a LAN.")
 console = Console()
@@ -300,7 +300,7 @@ def export_cmd(
     out: Annotated[Path | None, typer.Option(help="where to write (default: runs/<job-id>/merged)")] = None,
 ) -> None:
     """Merge the run's LoRA adapter into its base model (safetensors + tokenizer), checked against base + adapter."""
-    from train import export
+    from ugro import export
 
     run_dir = REPO / "runs" / _job_id(job_id)
     adapter = run_dir / "adapter"

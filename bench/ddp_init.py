@@ -112,7 +112,7 @@ def measure_on_testbed(bed: Any, hidden: int, layers: int, vocab: int) -> dict[s
             f"cd {shlex.quote(str(REPO))} && GLOO_SOCKET_IFNAME={host.interface} OMP_NUM_THREADS=1 "
             f"HF_HUB_OFFLINE=1 {shlex.quote(sys.executable)} -m torch.distributed.run --nnodes={len(bed.hosts)} "
             f"--nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint={main.address}:{port} "
-            f"--local-addr={host.address} --max-restarts=0 -m train.ddpinit rank "
+            f"--local-addr={host.address} --max-restarts=0 -m bench.ddp_init rank "
             f"--hidden {hidden} --layers {layers} --vocab {vocab}"
         )
         return subprocess.run(

@@ -145,7 +145,7 @@ def _bare(setup: Setup, root: Path) -> float:
     """The bare loop in its own process (same thread count as a rank); its sequences/s."""
     job_file = root / "bare.yaml"
     job_file.write_text(yaml.safe_dump(_job(setup, "equal", (1.0,)), sort_keys=False))
-    cmd = [sys.executable, "-m", "train.bench", "bare", str(job_file), "--steps", str(setup.steps)]
+    cmd = [sys.executable, "-m", "bench.bench", "bare", str(job_file), "--steps", str(setup.steps)]
     cmd += ["--skip", str(setup.skip)]
     with console.status("bare loop: 1 process, the same model and batches, no trainer"):
         done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, check=False)

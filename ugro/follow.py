@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from train import jobstate
-from train.launcher import run_playbook
+from ugro.launcher import run_playbook
 
 Statuses = dict[str, dict[str, Any]]
 StatusSource = Callable[[], Statuses]

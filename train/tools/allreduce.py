@@ -2,7 +2,7 @@
 
 Run by the preflight role under torchrun (static rendezvous, node rank 0 on the rendezvous host):
 
-    python -m torch.distributed.run ... --module train.allreduce --env-file F --cluster-address A
+    python -m torch.distributed.run ... --module train.tools.allreduce --env-file F --cluster-address A
 
 Each rank prints one line ``UGRO_ALLREDUCE {json}``: latency (median of small all-reduces) and, for
 a tensor of --bytes, algbw = bytes / time and busbw = algbw * 2 (n - 1) / n, as nccl-tests defines

@@ -1,6 +1,6 @@
 """The preflight memory probe: the job's first steps on this host, with this host's profile.
 
-    python -m train.memprobe --job jobs/x.yaml --profile /etc/ugro/profile.yaml --host NAME
+    python -m train.tools.memprobe --job jobs/x.yaml --profile /etc/ugro/profile.yaml --host NAME
 
 One process, no process group: the model as the job loads it (train.model.load_model), the job's
 data (train.data.prepare), micro-batches of the profile's size through the job's token-weighted

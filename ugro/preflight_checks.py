@@ -1,7 +1,7 @@
 """Judge what the preflight role measured: one row per check, one cell per host, PASS / WARN / FAIL.
 
 Pure functions over the ``preflight_report`` facts of every host (see roles/preflight and
-train/probe.py); train/preflight.py runs the playbook and renders the result. Every non-PASS cell
+train/probe.py); ugro/preflight.py runs the playbook and renders the result. Every non-PASS cell
 says its cause and its fix in one line each.
 """
 
@@ -529,7 +529,7 @@ def _memory_cell(host: str, r: dict[str, Any] | None, rc: int, output: str, t: T
             "FAIL",
             why,
             f"memory probe on {host} {why}: {_tail(output)}",
-            f"run `python -m train.memprobe --job {job_file}` on {host} to see the error",
+            f"run `python -m train.tools.memprobe --job {job_file}` on {host} to see the error",
         )
     if r.get("config_error"):
         return Cell("FAIL", "bad profile/job", r["config_error"], "fix the named key in that file")

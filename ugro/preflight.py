@@ -2,7 +2,7 @@
 
 The fast phase (facts + the network mesh: a few seconds) is what ``make train`` runs before every
 launch; ``make preflight`` adds the heavy phase (code sync, an all-reduce across every host, the
-job's 5-step memory probe per host). Judging is in train/preflight_checks.py.
+job's 5-step memory probe per host). Judging is in ugro/preflight_checks.py.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from train import codesync, jobcheck
 from train.config import load_job
-from train.launcher import REPO, PlaybookRun, run_playbook
-from train.preflight_checks import NETWORK_ROWS, ORDER, Cell, Check, Report, Thresholds, judge_fast, judge_heavy
+from ugro import codesync, jobcheck
+from ugro.launcher import REPO, PlaybookRun, run_playbook
+from ugro.module_utils import ugro_codetree as codetree
+from ugro.preflight_checks import NETWORK_ROWS, ORDER, Cell, Check, Report, Thresholds, judge_fast, judge_heavy
 
 STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red", "SKIP": "dim"}
 
@@ -75,7 +76,7 @@ def _context(run: PlaybookRun) -> dict[str, Any]:
 
 def run_fast(inventory: Path, control: Path, thresholds: Thresholds) -> tuple[Report, PlaybookRun]:
     """The fast checks on every host of the inventory."""
-    controller_hash = codesync.tree_hash(REPO, codesync.code_files(REPO))
+    controller_hash = codetree.tree_hash(REPO, codetree.code_files(REPO))
     extravars = {"ugro_preflight_phase": "fast", "ugro_preflight_ephemeral_port": random.randint(40000, 60000)}
     run = run_playbook("preflight.yml", inventory, extravars, control / "fast")
     ctx = _context(run)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from train import basemodel
 from train.config import ConfigError, JobConfig
 from train.data import Record, messages, read_checked
+from ugro import basemodel
 
 
 @dataclass(frozen=True)

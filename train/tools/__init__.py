@@ -1,0 +1,1 @@
+"""Diagnostics that run as ranks (under torchrun, or one rank alone) during a heavy preflight."""
