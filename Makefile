@@ -97,7 +97,7 @@ testbed-down:
 # Every lock from its .in with pip's resolver (dry runs, nothing installed; ~4 min): node + gpu
 # together for a Linux x86-64 GPU host, then node for this machine, controller and dev on top.
 lock:
-	$(PYTHON) requirements/lock.py
+	$(PYTHON) -m ugro.locks
 
 clean:
 	rm -rf runs .pytest_cache

@@ -24,7 +24,7 @@ RESOLVE_TIMEOUT = 600
 
 
 def _lock_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ugro_lock", REQUIREMENTS / "lock.py")
+    spec = importlib.util.spec_from_file_location("ugro_lock", REQUIREMENTS.parent / "ugro" / "locks.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

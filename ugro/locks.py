@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent / "requirements"
 PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
 
 # A Linux x86-64 GPU host with glibc >= 2.28 installs any of these wheel platforms.
