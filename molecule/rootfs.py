@@ -2,9 +2,9 @@
 
 A provisioning role really installs packages, so its test host cannot share this machine's `/` the
 way the training tests' hosts do. Each such host gets an overlay over one cached, debootstrapped
-Debian 12 (minbase + what a fresh cloud image has: python3, python3-apt, openssh-server, iproute2),
-and reaches Debian's packages only through an apt-cacher-ng proxy that the testbed runs on its
-bridge address: the hosts have no route out.
+Debian 12 (minbase + what a fresh cloud image has: python3, python3-apt, openssh-server, iproute2,
+and python3-psutil for ugro's host modules), and reaches Debian's packages only through an
+apt-cacher-ng proxy that the testbed runs on its bridge address: the hosts have no route out.
 
     python molecule/rootfs.py build      # build the cache now (~3 min once; testbed up does it too)
 
@@ -28,8 +28,9 @@ from pathlib import Path
 
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
-# What a fresh Debian/Ubuntu cloud image already has, and Ansible needs, beyond minbase.
-PACKAGES = ("python3", "python3-apt", "openssh-server", "iproute2", "ca-certificates", "sudo")
+# What a fresh Debian/Ubuntu cloud image already has, and Ansible needs, beyond minbase; and psutil,
+# which ugro's host modules need (on a real host the roles that call them install python3-psutil).
+PACKAGES = ("python3", "python3-apt", "python3-psutil", "openssh-server", "iproute2", "ca-certificates", "sudo")
 CACHE_ENV = "UGRO_TESTBED_CACHE"
 DEFAULT_CACHE = Path("/var/cache/ugro-testbed")
 ACNG_PORT = 3142

@@ -72,8 +72,7 @@ def _job_processes(job_id: str) -> list[str]:
                 cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if f"/opt/ugro/runs/{job_id}" in cmdline and "train.jobstate status" not in cmdline:
-                # the hosts' run dir (not the controller's); a status poll reads the run, it is not part of it
+            if f"/opt/ugro/runs/{job_id}" in cmdline:  # the hosts' run dir (not the controller's)
                 found.append(f"{proc.name}: {cmdline[:120]}")
     return found
 

@@ -1,8 +1,8 @@
 """The memory_profile role and the trainer agree on what a memory profile may hold.
 
-The role (roles/memory_profile) lists the rank-local keys a profile may set, with their types, in
-vars/main.yml; the trainer's RankLocalConfig (train/config.py) defines them. Both lists must be the
-same, and every default profile the role renders must load with the trainer's load_profile.
+The trainer's RankLocalConfig (train/config.py) is the one definition: the role keeps no list of its
+own and checks what it renders with the trainer's check_profile. Every default profile the role
+renders must load with the trainer's load_profile.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import yaml
 from train.config import RankLocalConfig, load_profile
 
 ROLE = Path(__file__).resolve().parent.parent / "roles" / "memory_profile"
-# The role's type names for the annotations of RankLocalConfig's fields.
-ROLE_TYPES = {"positive_int": int, "bool": bool}
 
 
 def _to_nice_yaml(data: Any, indent: int = 4) -> str:
@@ -33,12 +31,12 @@ def _yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def test_allowed_keys_are_rank_local_config_fields() -> None:
-    allowed = _yaml(ROLE / "vars" / "main.yml")["memory_profile_rank_local_keys"]
-    assert set(allowed) == set(RankLocalConfig.model_fields)
-    for key, kind in allowed.items():
-        annotation = RankLocalConfig.model_fields[key].annotation
-        assert annotation in (ROLE_TYPES[kind], ROLE_TYPES[kind] | None), key  # optional knobs: left out = None
+def test_the_role_keeps_no_list_of_knobs_of_its_own() -> None:
+    tasks = (ROLE / "tasks" / "preflight.yml").read_text()
+    assert "train.config import ConfigError, check_profile" in tasks
+    assert not (ROLE / "vars").exists()
+    for key in RankLocalConfig.model_fields:  # the knobs appear nowhere in the role's tasks
+        assert key not in tasks, key
 
 
 def test_argument_specs_mirror_default_profiles() -> None:
@@ -55,9 +53,9 @@ def test_default_profile_renders_and_loads(profile: str, tmp_path: Path) -> None
     env.filters["to_nice_yaml"] = _to_nice_yaml
     text = env.from_string((ROLE / "templates" / "profile.yaml.j2").read_text()).render(
         inventory_hostname="node1",
-        memory_profile_selected=profile,
-        memory_profile_reason="chosen in a test",
-        memory_profile_knobs=knobs,
+        __memory_profile_selected=profile,
+        __memory_profile_reason="chosen in a test",
+        __memory_profile_knobs=knobs,
     )
     path = tmp_path / "profile.yaml"
     path.write_text(text)

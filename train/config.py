@@ -254,7 +254,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _describe(error: ValidationError, path: Path, prefix: str = "") -> str:
+def _describe(error: ValidationError, path: Path | str, prefix: str = "") -> str:
     lines = []
     for err in error.errors():
         key = prefix + ".".join(str(part) for part in err["loc"]) if err["loc"] else "(top level)"
@@ -291,22 +291,33 @@ def load_job(path: str | Path, benchmark: bool = False) -> JobConfig:
 def load_profile(path: str | Path, host: str) -> dict[str, Any]:
     """Load a host's memory profile; only rank-local keys are allowed in it."""
     path = Path(path)
-    raw = _read_yaml(path)
-    allowed = set(RankLocalConfig.model_fields)
+    return check_profile(_read_yaml(path), f"{path} on host {host}")
+
+
+def check_profile(raw: object, where: str) -> dict[str, Any]:
+    """The knobs of a memory profile, or ConfigError naming ``where`` and the key.
+
+    RankLocalConfig is the one definition of what a profile may hold: the trainer loads every profile
+    with this, and the memory_profile role checks what it renders with it before writing it.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: a memory profile is a mapping of knobs, not {type(raw).__name__}")
+    allowed = ", ".join(sorted(RankLocalConfig.model_fields))
     for key in raw:
         if key in JobConfig.model_fields and key != "rank_local":
             raise ConfigError(
-                f"{path} on host {host}: key '{key}' is cluster-wide and must be the same on every rank; "
-                f"set it in the job file instead. A profile may only set: {', '.join(sorted(allowed))}"
+                f"{where}: key '{key}' is cluster-wide and must be the same on every rank; "
+                f"set it in the job file instead. A profile may only set: {allowed}"
             )
-        if key not in allowed:
+        if key not in RankLocalConfig.model_fields:
             raise ConfigError(
-                f"{path} on host {host}: unknown key '{key}'; a profile may only set: {', '.join(sorted(allowed))}"
+                f"{where}: unknown key '{key}'; a profile may only set: {allowed} (rank-local knobs); everything "
+                "else (model, LoRA, sequence length, learning rate, batch) is cluster-wide and belongs in the job file"
             )
     try:
         RankLocalConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, path)) from None
+        raise ConfigError(_describe(exc, where)) from None
     return raw
 
 

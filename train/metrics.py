@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+# metrics.jsonl and run.json are also read where the job's state is reported (ugro/module_utils/ugro_jobstate.py).
 METRICS = "metrics.jsonl"
 EVAL = "eval.jsonl"
 STATUS = "run.json"
@@ -35,22 +36,6 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         except ValueError:
             break  # a line being written right now
     return rows
-
-
-def last_metrics(run_dir: Path) -> dict[str, Any] | None:
-    """The newest complete row of metrics.jsonl, reading only the end of the file (it is polled)."""
-    path = run_dir / METRICS
-    if not path.is_file():
-        return None
-    with path.open("rb") as fh:
-        fh.seek(max(0, fh.seek(0, os.SEEK_END) - 4096))
-        lines = fh.read().splitlines()
-    for line in reversed(lines):
-        try:
-            return dict(json.loads(line))
-        except ValueError:
-            continue  # a line being written right now, or the cut-off first line
-    return None
 
 
 class MetricsWriter:

@@ -14,8 +14,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from train import jobstate
 from ugro.launcher import run_playbook
+from ugro.module_utils import ugro_jobstate
 
 Statuses = dict[str, dict[str, Any]]
 StatusSource = Callable[[], Statuses]
@@ -23,7 +23,8 @@ ENDED = {"finished", "failed", "stopped", "lost", "absent"}
 
 
 def local_source(run_dir: Path, hosts: list[str]) -> StatusSource:
-    return lambda: {host: jobstate.status(run_dir, host, main=True) for host in hosts}
+    """The run in the controller's own checkout, read with the code the hosts' fact module runs."""
+    return lambda: {host: ugro_jobstate.status(run_dir, host, main=True) for host in hosts}
 
 
 def remote_source(inventory: Path, job_id: str, private_dir: Path) -> StatusSource:

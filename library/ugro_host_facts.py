@@ -1,0 +1,454 @@
+#!/usr/bin/python
+"""Ansible module: every fact ugro needs about a host, gathered in one place.
+
+Every role, playbook and preflight check reads ``ansible_facts.ugro_host`` from this module instead
+of detecting things itself. Keys (each subset of O(gather_subset); a subset whose option is not given
+is left out under C(all)):
+
+=================  =========  ==================================================================
+key                subset     what
+=================  =========  ==================================================================
+host, hostname     always     O(host) (the inventory name) and the host's own hostname
+interfaces         network    interface -> its IPv4 addresses (psutil.net_if_addrs), lo included
+cluster            network    {address, interface, prefix, subnet, why}: who holds O(cluster_address)
+gpu                gpu        {gpus: [{index, name, memory_mib, memory_bytes}], count, driver, smi,
+                              why, pci_devices}: nvidia-smi --query-gpu, the only GPU detection
+python             versions   {executable, exists, version, why}: the job's Python (O(python))
+versions           versions   python, torch, cuda runtime (torch's CUDA), nccl, transformers, peft,
+                              unsloth: from that Python's site-packages metadata, torch not imported
+code               code       {path, hash, why}: tree hash of O(code_dir) (module_utils ugro_codetree)
+running_job        job        {job, pgid} of the job this host runs now (runs/active-job), or null
+job                job        with O(job_id): {job, host, run_dir, state, exit_code, pids, ...}
+disk               disk       {path, measured_at, free_bytes, total_bytes} at O(disk_path)
+memory             memory     {total_bytes, available_bytes} (psutil.virtual_memory)
+port_range         ports      the ephemeral port range, "32768-60999"
+env_file           env        {path, exists, error, ifnames} of O(env_file) (NCCL/GLOO_SOCKET_IFNAME)
+profile_exists     env        whether O(profile_file) exists
+resolve            resolve    name -> {address, error}: what each of O(names) resolves to here
+time               clock      the host's clock, seconds since the epoch
+=================  =========  ==================================================================
+"""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: ugro_host_facts
+short_description: Gather the host facts every ugro role and check reads
+description:
+  - Returns C(ansible_facts.ugro_host) with the host's cluster interface, IPv4 addresses, NVIDIA GPUs
+    (name, memory, driver), the job Python's package versions, the code tree hash, free disk, memory,
+    ephemeral port range, and the state of a job (its recorded processes, alive or not).
+  - The one place ugro detects GPUs (C(nvidia-smi --query-gpu)) and the interface holding the cluster
+    address (psutil); where there is no GPU, C(gpu.why) says why (no nvidia-smi, its error, hung).
+  - Package versions are read from the metadata of the job Python's site-packages without importing
+    torch; the job Python only reports its version and path.
+  - Needs psutil in the Python that runs the module (Debian/Ubuntu package C(python3-psutil)); fails
+    naming the host and the fix without it.
+  - Never changes anything.
+options:
+  host:
+    description: Inventory name of the host (C(inventory_hostname)); names the host in errors and its
+      directory of a job's run (C(runs/<job>/hosts/<host>)). Defaults to the hostname.
+    type: str
+  gather_subset:
+    description:
+      - What to gather. C(all) is every subset whose option is given (C(versions) needs O(python),
+        C(code) and C(job) need O(code_dir), C(disk) needs O(disk_path), C(env) needs O(env_file),
+        C(resolve) needs O(names)); a subset named explicitly without its option fails.
+    type: list
+    elements: str
+    default: [all]
+    choices: [all, network, gpu, versions, code, job, disk, memory, ports, env, resolve, clock]
+  cluster_address:
+    description: The host's IPv4 cluster address; C(cluster) reports the interface holding it.
+    type: str
+  cluster_interface_required:
+    description: Fail, naming the host, the address and its IPv4 addresses, when no interface holds
+      O(cluster_address).
+    type: bool
+    default: false
+  python:
+    description: The job's Python (a virtual environment's C(bin/python)); its packages are C(versions).
+    type: path
+  code_dir:
+    description: The code directory on the host; C(code) hashes it, C(job) reads its C(runs/).
+    type: path
+  job_id:
+    description: A job id (C(default-20261121-190000)); C(job) is the state of C(<code_dir>/runs/<job_id>).
+    type: str
+  main_host:
+    description: Whether this host keeps the run's metrics; C(job) then adds the last step, loss,
+      tokens/s, ETA and the run's state and error.
+    type: bool
+    default: false
+  disk_path:
+    description: Where free disk space is measured (its nearest existing parent when it does not exist).
+    type: path
+  env_file:
+    description: The NCCL/gloo environment file; C(env_file) reports the interface names it sets.
+    type: path
+  profile_file:
+    description: The memory profile; C(profile_exists) says whether it exists.
+    type: path
+  names:
+    description: Host names to resolve (IPv4), as torchrun on this host would.
+    type: list
+    elements: str
+    default: []
+  nvidia_smi:
+    description: The nvidia-smi to ask; by default the one on C(PATH), C(/usr/local/bin) or C(/usr/bin).
+    type: path
+  timeout_s:
+    description: Seconds before C(nvidia-smi), the job Python or a name lookup counts as hung.
+    type: float
+    default: 15
+author: ugro
+"""
+
+EXAMPLES = r"""
+- name: Find the interface that holds the cluster address
+  ugro_host_facts:
+    host: "{{ inventory_hostname }}"
+    gather_subset: [network]
+    cluster_address: "{{ ugro_cluster_address }}"
+    cluster_interface_required: true
+
+- name: Count the GPUs
+  ugro_host_facts:
+    host: "{{ inventory_hostname }}"
+    gather_subset: [gpu]
+
+- name: Use them
+  ansible.builtin.debug:
+    msg: "{{ ansible_facts.ugro_host.cluster.interface }}, {{ ansible_facts.ugro_host.gpu.count }} GPU(s)"
+"""
+
+RETURN = r"""
+ansible_facts:
+  description: The facts, under C(ugro_host); see the module's docstring for every key.
+  returned: always
+  type: dict
+  contains:
+    ugro_host:
+      description: This host's facts.
+      type: dict
+      returned: always
+      sample:
+        host: node4070
+        hostname: node4070
+        interfaces: {lo: [127.0.0.1], enp5s0: [192.168.1.12]}
+        cluster: {address: 192.168.1.12, interface: enp5s0, prefix: 24, subnet: 192.168.1.0/24, why: null}
+        gpu:
+          gpus: [{index: 0, name: NVIDIA GeForce RTX 4070, memory_mib: 8188, memory_bytes: 8585740288}]
+          count: 1
+          driver: "570.172.08"
+          smi: ok
+          why: null
+          pci_devices: ["0000:01:00.0"]
+        versions: {python: 3.11.7, torch: 2.9.0, cuda runtime: "12.8", nccl: 2.27.3, transformers: 4.57.1,
+                   peft: 0.17.1, unsloth: null}
+        job: {job: default-20261121-190000, host: node4070, state: running, exit_code: null,
+              pids: {launcher: 4242, worker-rank1: 4300}}
+"""
+
+import concurrent.futures
+import csv
+import ipaddress
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.ugro_codetree import current_hash
+from ansible.module_utils.ugro_jobstate import HAS_PSUTIL, psutil_missing, running_job, status
+
+if HAS_PSUTIL:
+    import psutil
+
+SUBSETS = ("network", "gpu", "versions", "code", "job", "disk", "memory", "ports", "env", "resolve", "clock")
+# The option each subset needs; subsets not listed need none.
+NEEDS = {"versions": "python", "code": "code_dir", "job": "code_dir", "disk": "disk_path", "env": "env_file",
+         "resolve": "names"}  # fmt: skip
+# Distribution name -> version label (the labels preflight compares across hosts).
+PACKAGES = {"torch": "torch", "transformers": "transformers", "peft": "peft", "unsloth": "unsloth"}
+NCCL_DISTS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
+IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# Where nvidia-smi lives when the module's PATH is short (the driver packages put it in /usr/bin).
+SMI_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/bin", "/usr/bin", "/bin"])
+# What the job Python reports about itself: its version and where it finds packages.
+PYTHON_SELF = "import json, platform, sys; print(json.dumps([platform.python_version(), sys.path]))"
+
+
+def network(cluster_address: str | None) -> dict[str, Any]:
+    interfaces: dict[str, list[str]] = {}
+    holders: list[dict[str, Any]] = []
+    for name, addrs in sorted(psutil.net_if_addrs().items()):
+        for addr in addrs:
+            if addr.family != socket.AF_INET:
+                continue
+            interfaces.setdefault(name, []).append(addr.address)
+            if addr.address == cluster_address:
+                iface = ipaddress.IPv4Interface(f"{addr.address}/{addr.netmask or '255.255.255.255'}")
+                holders.append({"interface": name, "prefix": iface.network.prefixlen, "subnet": str(iface.network)})
+    found: dict[str, Any] = {"interfaces": interfaces}
+    if cluster_address is not None:
+        # A host holding the address twice (lo and eth0): the real interface wins.
+        holders.sort(key=lambda h: h["interface"] == "lo")
+        held = holders[0] if holders else {"interface": None, "prefix": None, "subnet": None}
+        others = ", ".join(f"{n} {'/'.join(a)}" for n, a in interfaces.items() if n != "lo") or "none"
+        why = None if holders else f"no interface holds {cluster_address} (IPv4 addresses here: {others})"
+        found["cluster"] = {"address": cluster_address, **held, "why": why}
+    return found
+
+
+def _pci_gpus() -> list[str]:
+    """PCI display devices of vendor 10de (NVIDIA), as lspci lists them: a GPU even without its driver."""
+    root = Path("/sys/bus/pci/devices")
+    found = []
+    for device in sorted(root.iterdir()) if root.is_dir() else []:
+        try:
+            vendor = (device / "vendor").read_text().strip()
+            klass = (device / "class").read_text().strip()
+        except OSError:
+            continue
+        if vendor == "0x10de" and klass.startswith("0x03"):
+            found.append(device.name)
+    return found
+
+
+def gpu(nvidia_smi: str | None, timeout_s: float) -> dict[str, Any]:
+    """nvidia-smi's GPUs, or why there are none. smi: ok | missing | no devices | failed | hung."""
+    result: dict[str, Any] = {"gpus": [], "count": 0, "driver": None, "pci_devices": _pci_gpus()}
+    smi = shutil.which(nvidia_smi or "nvidia-smi", path=SMI_PATH)
+    if smi is None:
+        return {**result, "smi": "missing", "why": f"no nvidia-smi{f' at {nvidia_smi}' if nvidia_smi else ''}"}
+    query = [smi, "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {**result, "smi": "hung", "why": f"nvidia-smi hung for {timeout_s:g} s"}
+    except OSError as exc:
+        return {**result, "smi": "failed", "why": f"{smi}: {exc.strerror or exc}"}
+    said = (out.stderr.strip() or out.stdout.strip())[:300]
+    if "No devices were found" in said:
+        return {**result, "smi": "no devices", "why": f"nvidia-smi: {said}"}
+    if out.returncode != 0:
+        return {**result, "smi": "failed", "why": f"nvidia-smi failed (rc {out.returncode}): {said or 'no output'}"}
+    gpus = []
+    for row in csv.reader(out.stdout.splitlines(), skipinitialspace=True):
+        if len(row) != 4 or not row[0].strip().isdigit():
+            continue
+        index, name, memory, driver = (part.strip() for part in row)
+        mib = int(float(memory)) if re.fullmatch(r"[0-9.]+", memory) else 0
+        gpus.append({"index": int(index), "name": name, "memory_mib": mib, "memory_bytes": mib << 20})
+        result["driver"] = driver
+    if not gpus:
+        return {**result, "smi": "no devices", "why": f"nvidia-smi lists no GPU ({said or 'no output'})"}
+    return {**result, "gpus": gpus, "count": len(gpus), "smi": "ok", "why": None}
+
+
+def _torch_cuda(paths: list[str]) -> str | None:
+    """torch.version.cuda without importing torch: torch/version.py of the first torch on the path."""
+    for entry in paths:
+        version_py = Path(entry) / "torch" / "version.py"
+        if version_py.is_file():
+            try:
+                text = version_py.read_text()
+            except OSError:
+                return None
+            match = re.search(r"^cuda(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", text, re.M)
+            return match[1] if match else None
+    return None
+
+
+def versions(python: str, timeout_s: float) -> dict[str, Any]:
+    import importlib.metadata
+
+    labels = ["python", *PACKAGES.values(), "cuda runtime", "nccl"]
+    found: dict[str, Any] = {"versions": dict.fromkeys(labels)}
+    about: dict[str, Any] = {"executable": python, "exists": os.access(python, os.X_OK), "version": None, "why": None}
+    found["python"] = about
+    if not about["exists"]:
+        about["why"] = f"no executable Python at {python}"
+        return found
+    try:
+        out = subprocess.run([python, "-c", PYTHON_SELF], capture_output=True, text=True, timeout=timeout_s, check=True)
+        version, path = json.loads(out.stdout)
+    except subprocess.TimeoutExpired:
+        about["why"] = f"{python} hung for {timeout_s:g} s"
+        return found
+    except (OSError, subprocess.CalledProcessError, ValueError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        about["why"] = f"{python} does not run: {detail.strip()[-300:]}"
+        return found
+    paths = [p for p in path if p and Path(p).is_dir()]
+    dists: dict[str, str] = {}
+    for dist in importlib.metadata.distributions(path=paths):
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        dists.setdefault(name, dist.version)  # the first on the path wins, as import would
+    about["version"] = version
+    found["versions"].update(
+        {label: dists.get(name) for name, label in PACKAGES.items()},
+        python=version,
+        nccl=next((dists[d] for d in NCCL_DISTS if d in dists), None),
+    )
+    found["versions"]["cuda runtime"] = _torch_cuda(paths)
+    return found
+
+
+def disk(path: Path) -> dict[str, Any]:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    usage = psutil.disk_usage(str(probe))
+    return {"path": str(path), "measured_at": str(probe), "free_bytes": usage.free, "total_bytes": usage.total}
+
+
+def port_range() -> str | None:
+    """The ephemeral port range ("32768-60999"): where NCCL and gloo peers connect back to."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return f"{low}-{high}"
+
+
+def env_file(path: Path) -> dict[str, Any]:
+    """The interface names of an env file of KEY=VALUE lines (optionally `export`, quoted values)."""
+    found: dict[str, Any] = {"path": str(path), "exists": path.is_file(), "error": None, "ifnames": {}}
+    if not found["exists"]:
+        return found
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        return {**found, "error": str(exc)}
+    for raw in text.splitlines():
+        line = raw.strip().removeprefix("export ").strip()
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#") and key.strip() in IFNAME_VARS:
+            found["ifnames"][key.strip()] = value.strip().strip("'\"")
+    return found
+
+
+def resolve(names: list[str], timeout_s: float) -> dict[str, Any]:
+    """name -> first IPv4 address it resolves to here (what torchrun would use), or the error."""
+
+    def one(name: str) -> dict[str, Any]:
+        try:
+            infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+        except OSError as exc:
+            return {"address": None, "error": str(exc)}
+        return {"address": str(infos[0][4][0]) if infos else None, "error": None if infos else "no IPv4 address"}
+
+    results: dict[str, Any] = {}
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(names)))
+    futures = {name: pool.submit(one, name) for name in names}
+    deadline = time.monotonic() + timeout_s
+    for name, future in futures.items():
+        try:
+            results[name] = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            results[name] = {"address": None, "error": f"no answer within {timeout_s:g} s (DNS hangs?)"}
+    pool.shutdown(wait=False, cancel_futures=True)
+    return results
+
+
+def gather(params: dict[str, Any], subsets: set[str]) -> dict[str, Any]:
+    timeout_s = float(params["timeout_s"])
+    facts: dict[str, Any] = {"host": params["host"], "hostname": socket.gethostname()}
+    if "network" in subsets:
+        facts.update(network(params["cluster_address"]))
+    if "gpu" in subsets:
+        facts["gpu"] = gpu(params["nvidia_smi"], timeout_s)
+    if "versions" in subsets:
+        facts.update(versions(params["python"], timeout_s))
+    code_dir = Path(params["code_dir"]) if params["code_dir"] else None
+    if "code" in subsets and code_dir is not None:
+        code_hash, why = current_hash(code_dir)
+        facts["code"] = {"path": str(code_dir), "hash": code_hash, "why": why}
+    if "job" in subsets and code_dir is not None:
+        facts["running_job"] = running_job(code_dir / "runs")
+        if params["job_id"]:
+            facts["job"] = status(code_dir / "runs" / params["job_id"], params["host"], params["main_host"])
+    if "disk" in subsets:
+        facts["disk"] = disk(Path(params["disk_path"]))
+    if "memory" in subsets:
+        memory = psutil.virtual_memory()
+        facts["memory"] = {"total_bytes": memory.total, "available_bytes": memory.available}
+    if "ports" in subsets:
+        facts["port_range"] = port_range()
+    if "env" in subsets:
+        facts["env_file"] = env_file(Path(params["env_file"]))
+        if params["profile_file"]:
+            facts["profile_exists"] = Path(params["profile_file"]).is_file()
+    if "resolve" in subsets:
+        facts["resolve"] = resolve(params["names"], timeout_s)
+    if "clock" in subsets:
+        facts["time"] = time.time()
+    return facts
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "host": {"type": "str"},
+            "gather_subset": {"type": "list", "elements": "str", "default": ["all"], "choices": ["all", *SUBSETS]},
+            "cluster_address": {"type": "str"},
+            "cluster_interface_required": {"type": "bool", "default": False},
+            "python": {"type": "path"},
+            "code_dir": {"type": "path"},
+            "job_id": {"type": "str"},
+            "main_host": {"type": "bool", "default": False},
+            "disk_path": {"type": "path"},
+            "env_file": {"type": "path"},
+            "profile_file": {"type": "path"},
+            "names": {"type": "list", "elements": "str", "default": []},
+            "nvidia_smi": {"type": "path"},
+            "timeout_s": {"type": "float", "default": 15.0},
+        },
+        supports_check_mode=True,
+    )
+    params = dict(module.params)
+    params["host"] = host = params["host"] or socket.gethostname()
+    if not HAS_PSUTIL:
+        module.fail_json(msg=psutil_missing(host, "ugro_host_facts"))
+    if params["cluster_address"] is not None:
+        try:
+            ipaddress.IPv4Address(params["cluster_address"])
+        except ValueError:
+            module.fail_json(
+                msg=f"{host}: cluster_address '{params['cluster_address']}' is not an IPv4 address. Fix: set "
+                f"ugro_cluster_address of {host} to one of its own IPv4 addresses in the inventory."
+            )
+    if params["job_id"] is not None and not JOB_ID.match(params["job_id"]):
+        module.fail_json(msg=f"{host}: job_id '{params['job_id']}' is not a job id such as default-20261121-190000")
+    requested = set(params["gather_subset"])
+    if "all" in requested:
+        subsets = {s for s in SUBSETS if s not in NEEDS or params[NEEDS[s]]}
+    else:
+        subsets = requested
+        for subset in sorted(subsets):
+            if subset in NEEDS and not params[NEEDS[subset]]:
+                module.fail_json(msg=f"{host}: gather_subset '{subset}' needs the option {NEEDS[subset]}")
+    facts = gather(params, subsets)
+    cluster = facts.get("cluster")
+    if params["cluster_interface_required"] and cluster is not None and cluster["interface"] is None:
+        module.fail_json(
+            msg=f"{host}: no interface holds its cluster address {cluster['why'].removeprefix('no interface holds ')}. "
+            f"Fix: set ugro_cluster_address of {host} to one of its own addresses (inventory host_vars/{host}.yml), "
+            "or bring up the cluster interface.",
+            ansible_facts={"ugro_host": facts},
+        )
+    module.exit_json(changed=False, ansible_facts={"ugro_host": facts})
+
+
+if __name__ == "__main__":
+    main()

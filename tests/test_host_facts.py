@@ -1,0 +1,257 @@
+"""The host fact module and the job-stop module, run for real through `ansible` against this machine.
+
+What a user relies on: the interface holding the cluster address is found, a host without a GPU says
+why it has none, a job counts as running only while its own recorded processes live, stopping a job
+signals nothing but those, and bad input or a missing psutil is one error naming the host and the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import venv
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ANSIBLE = Path(sys.executable).parent / "ansible"
+HOST = "node4070"  # the inventory name the roles pass as `host`
+
+pytestmark = pytest.mark.slow
+
+
+def _ansible(module: str, args: dict[str, Any], python: str = sys.executable, check: bool = False) -> dict[str, Any]:
+    """Run one module on localhost (local connection) and return its result."""
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}
+    argv = [str(ANSIBLE), "localhost", "-c", "local", "-e", f"ansible_python_interpreter={python}", "-m", module]
+    argv += ["-a", json.dumps(args)] + (["--check"] if check else [])
+    out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+    # "localhost | SUCCESS => {...}" or "localhost | FAILED! => {...}", the result as indented JSON.
+    rest = out.stdout.partition("localhost | ")[2]
+    status, _, result = rest.partition(" => ")
+    try:
+        found = dict(json.JSONDecoder().raw_decode(result)[0])
+    except ValueError:
+        raise AssertionError(f"no result from ansible: {out.stdout}\n{out.stderr}") from None
+    return {**found, "failed": status.startswith("FAILED")}
+
+
+def _facts(**args: Any) -> dict[str, Any]:
+    result = _ansible("ugro_host_facts", {"host": HOST, **args})
+    assert not result.get("failed"), result.get("msg")
+    return dict(result["ansible_facts"]["ugro_host"])
+
+
+def _fake_smi(tmp_path: Path, body: str) -> str:
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\n{body}\n")
+    smi.chmod(0o755)
+    return str(smi)
+
+
+def test_the_interface_holding_the_cluster_address_is_found() -> None:
+    facts = _facts(gather_subset=["network"], cluster_address="127.0.0.1", cluster_interface_required=True)
+    assert facts["cluster"] == {
+        "address": "127.0.0.1",
+        "interface": "lo",
+        "prefix": 8,
+        "subnet": "127.0.0.0/8",
+        "why": None,
+    }
+    assert "127.0.0.1" in facts["interfaces"]["lo"]
+
+
+def test_an_address_no_interface_holds_fails_naming_host_and_address() -> None:
+    result = _ansible(
+        "ugro_host_facts",
+        {
+            "host": HOST,
+            "gather_subset": ["network"],
+            "cluster_address": "192.0.2.254",
+            "cluster_interface_required": True,
+        },
+    )
+    assert result["failed"]
+    assert f"{HOST}: no interface holds its cluster address 192.0.2.254" in result["msg"]
+    assert "ugro_cluster_address" in result["msg"]
+
+
+def test_a_malformed_cluster_address_is_one_error_naming_host_and_key() -> None:
+    result = _ansible("ugro_host_facts", {"host": HOST, "cluster_address": "10.0.0"})
+    assert result["failed"]
+    assert result["msg"].startswith(f"{HOST}: cluster_address '10.0.0' is not an IPv4 address")
+
+
+def test_a_host_without_nvidia_smi_has_no_gpu_and_says_why(tmp_path: Path) -> None:
+    gpu = _facts(gather_subset=["gpu"], nvidia_smi=str(tmp_path / "nvidia-smi"))["gpu"]
+    assert gpu["gpus"] == [] and gpu["count"] == 0
+    assert gpu["smi"] == "missing"
+    assert gpu["why"] == f"no nvidia-smi at {tmp_path / 'nvidia-smi'}"
+
+
+def test_a_failing_nvidia_smi_is_reported_with_its_error(tmp_path: Path) -> None:
+    said = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."
+    gpu = _facts(gather_subset=["gpu"], nvidia_smi=_fake_smi(tmp_path, f'echo "{said}"; exit 9'))["gpu"]
+    assert gpu["count"] == 0 and gpu["smi"] == "failed"
+    assert gpu["why"] == f"nvidia-smi failed (rc 9): {said}"
+
+
+def test_a_hung_nvidia_smi_is_reported_as_hung(tmp_path: Path) -> None:
+    gpu = _facts(gather_subset=["gpu"], nvidia_smi=_fake_smi(tmp_path, "exec sleep 30"), timeout_s=1)["gpu"]
+    assert gpu["count"] == 0 and gpu["smi"] == "hung"
+    assert gpu["why"] == "nvidia-smi hung for 1 s"
+
+
+def test_gpus_come_with_name_memory_and_driver(tmp_path: Path) -> None:
+    rows = "0, NVIDIA GeForce RTX 5070 Ti, 12227, 570.172.08\n1, NVIDIA GeForce RTX 3070 Ti, 8192, 570.172.08"
+    gpu = _facts(gather_subset=["gpu"], nvidia_smi=_fake_smi(tmp_path, f"printf '{rows}\\n'"))["gpu"]
+    assert gpu["smi"] == "ok" and gpu["why"] is None and gpu["driver"] == "570.172.08"
+    assert gpu["gpus"] == [
+        {"index": 0, "name": "NVIDIA GeForce RTX 5070 Ti", "memory_mib": 12227, "memory_bytes": 12227 << 20},
+        {"index": 1, "name": "NVIDIA GeForce RTX 3070 Ti", "memory_mib": 8192, "memory_bytes": 8192 << 20},
+    ]
+
+
+def test_versions_are_the_job_pythons_without_importing_torch() -> None:
+    facts = _facts(gather_subset=["versions"], python=sys.executable)
+    import torch
+    import transformers
+
+    assert facts["versions"]["torch"] == torch.__version__
+    assert facts["versions"]["transformers"] == transformers.__version__
+    assert facts["versions"]["python"] == facts["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
+    assert facts["versions"]["cuda runtime"] == torch.version.cuda
+
+
+class Job:
+    """A run directory laid out as the launch leaves it, with processes whose command line names it."""
+
+    def __init__(self, code_dir: Path, job_id: str) -> None:
+        self.code_dir, self.job_id = code_dir, job_id
+        self.run_dir = code_dir / "runs" / job_id
+        self.host_dir = self.run_dir / "hosts" / HOST
+        self.host_dir.mkdir(parents=True)
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, record: str | None) -> subprocess.Popen[bytes]:
+        """A process of this run (its command line names the run directory), recorded under ``record``."""
+        proc = subprocess.Popen(["sh", "-c", "sleep 300", str(self.host_dir / "launch.sh")], start_new_session=True)
+        self.procs.append(proc)
+        if record:
+            (self.host_dir / f"{record}.pid").write_text(f"{proc.pid}\n")
+        return proc
+
+    def state(self) -> dict[str, Any]:
+        facts = _facts(gather_subset=["job"], code_dir=str(self.code_dir), job_id=self.job_id)
+        return {"job": facts["job"], "running_job": facts["running_job"]}
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[Job]:
+    made = Job(tmp_path / "code", "default-20261121-190000")
+    yield made
+    made.close()
+
+
+def test_a_job_runs_while_its_recorded_process_lives(job: Job) -> None:
+    launcher = job.start(record="launch")
+    (job.code_dir / "runs" / "active-job").write_text(f"{job.job_id} {launcher.pid}\n")
+    state = job.state()
+    assert state["job"]["state"] == "running" and state["job"]["pids"] == {"launcher": launcher.pid}
+    assert state["running_job"] == {"job": job.job_id, "pgid": launcher.pid}
+
+    launcher.kill()
+    launcher.wait()
+    state = job.state()
+    assert state["job"]["state"] == "lost" and state["job"]["pids"] == {}  # gone without an exit code
+    assert state["running_job"] is None
+    (job.host_dir / "exit_code").write_text("0\n")
+    assert job.state()["job"]["state"] == "finished"
+
+
+def test_a_recorded_pid_reused_by_another_process_is_not_the_job(job: Job) -> None:
+    (job.host_dir / "launch.pid").write_text(f"{os.getpid()}\n")  # alive, but its command line names no run
+    (job.code_dir / "runs" / "active-job").write_text(f"{job.job_id} {os.getpid()}\n")
+    state = job.state()
+    assert state["job"]["state"] == "lost" and state["job"]["pids"] == {}
+    assert state["running_job"] is None
+
+
+def test_stop_signals_only_the_jobs_own_recorded_processes(job: Job) -> None:
+    launcher = job.start(record="launch")
+    worker = job.start(record="worker-rank0")
+    stranger = job.start(record=None)  # names the run too, but the job never recorded it
+    (job.code_dir / "runs" / "active-job").write_text(f"{job.job_id} {launcher.pid}\n")
+    args = {"code_dir": str(job.code_dir), "job_id": job.job_id, "host": HOST, "grace_s": 5}
+
+    planned = _ansible("ugro_job", args, check=True)
+    assert planned["changed"] and planned["signalled"] == {"launcher": launcher.pid, "worker-rank0": worker.pid}
+    assert launcher.poll() is None and worker.poll() is None  # check mode signals nothing
+
+    result = _ansible("ugro_job", args)
+    assert result["changed"] and not result.get("failed")
+    assert result["signalled"] == {"launcher": launcher.pid, "worker-rank0": worker.pid}
+    assert result["remaining"] == {}
+    assert launcher.wait(timeout=10) != 0 and worker.wait(timeout=10) != 0
+    assert stranger.poll() is None
+    assert job.state()["job"]["state"] == "stopped"
+    assert not (job.code_dir / "runs" / "active-job").exists()
+
+    again = _ansible("ugro_job", args)
+    assert not again["changed"] and again["signalled"] == {}
+
+
+def test_a_bad_job_id_is_one_error_naming_host_and_key(tmp_path: Path) -> None:
+    result = _ansible("ugro_job", {"code_dir": str(tmp_path), "job_id": "../etc", "host": HOST})
+    assert (
+        result["failed"] and result["msg"] == f"{HOST}: job_id '../etc' is not a job id such as default-20261121-190000"
+    )
+
+
+def test_a_python_without_psutil_fails_naming_host_and_fix(tmp_path: Path) -> None:
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "bare")
+    bare = str(tmp_path / "bare" / "bin" / "python")
+    assert subprocess.run([bare, "-c", "import psutil"], capture_output=True, check=False).returncode != 0
+    for module, args in (
+        ("ugro_host_facts", {"host": HOST}),
+        ("ugro_job", {"code_dir": "/x", "job_id": "j", "host": HOST}),
+    ):
+        result = _ansible(module, args, python=bare)
+        assert result["failed"], module
+        assert result["msg"].startswith(f"{HOST}: the Python that runs Ansible modules there ({bare}")
+        assert f"cannot import psutil, which {module} needs" in result["msg"]
+        assert "apt install python3-psutil" in result["msg"]
+
+
+def test_facts_of_this_machine_hold_every_key_preflight_reads(tmp_path: Path) -> None:
+    facts = _facts(
+        cluster_address="127.0.0.1",
+        python=sys.executable,
+        code_dir=str(REPO),
+        disk_path=str(tmp_path / "not-yet" / "checkpoints"),
+        env_file=str(tmp_path / "nccl.env"),
+        profile_file=str(tmp_path / "profile.yaml"),
+        names=["localhost"],
+    )
+    assert facts["host"] == HOST and facts["hostname"]
+    assert facts["code"]["hash"] and facts["code"]["why"] is None
+    assert facts["disk"]["measured_at"] == str(tmp_path) and facts["disk"]["free_bytes"] > 0
+    assert 0 < facts["memory"]["available_bytes"] <= facts["memory"]["total_bytes"]
+    low, high = map(int, facts["port_range"].split("-"))
+    assert 1024 <= low < high <= 65535
+    assert facts["env_file"] == {"path": str(tmp_path / "nccl.env"), "exists": False, "error": None, "ifnames": {}}
+    assert facts["profile_exists"] is False
+    assert facts["resolve"]["localhost"]["address"].startswith("127.")
+    assert abs(facts["time"] - time.time()) < 60

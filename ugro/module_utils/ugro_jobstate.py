@@ -1,0 +1,187 @@
+"""A job's state on one host, and stopping exactly its processes.
+
+Shared by the host modules ``library/ugro_host_facts.py`` (the job's state) and ``library/ugro_job.py``
+(stopping it), which import it as ``ansible.module_utils.ugro_jobstate``, and by the controller's
+``ugro/follow.py``, which reads a run written into its own checkout (``ugro.module_utils.ugro_jobstate``).
+Standard library and psutil only (Debian's ``python3-psutil`` on a host).
+
+The launch script records the job's process group (``runs/<job>/hosts/<host>/launch.pid``); every rank
+records its own pid (``worker-rank<N>.pid``: torchrun starts workers in sessions of their own). A
+recorded pid counts as the job's only while its command line still names the run directory, so a pid
+reused by another process after the job ended is never signalled. ``runs/active-job`` holds
+"<job id> <process group>" while a job runs on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+try:
+    import psutil
+
+    HAS_PSUTIL = True
+except ImportError:  # the host modules report it, naming the host and the fix
+    HAS_PSUTIL = False
+
+# The files rank 0 writes (train/metrics.py METRICS and STATUS) and the launch leaves behind.
+METRICS = "metrics.jsonl"
+STATUS = "run.json"
+STOPPED_MARK = "stopped"
+ACTIVE_JOB = "active-job"
+PROGRESS_KEYS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s")
+
+
+def psutil_missing(host: str, module: str) -> str:
+    """The one message of a host module whose Python lacks psutil."""
+    return (
+        f"{host}: the Python that runs Ansible modules there ({sys.executable}, ansible_python_interpreter) cannot "
+        f"import psutil, which {module} needs. Fix: install it on the host (Debian/Ubuntu: apt install python3-psutil; "
+        f"`make provision` does), or set ansible_python_interpreter of {host} to a Python that has it."
+    )
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def belongs(pid: int, run_dir: Path) -> bool:
+    """The process is alive and its command line names this run (so it is this job's, not a reused pid)."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return str(run_dir) in " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def job_pids(run_dir: Path, host: str) -> dict[str, int]:
+    """The job's recorded processes on this host that are still alive: name -> pid."""
+    host_dir = run_dir / "hosts" / host
+    found: dict[str, int] = {}
+    launcher = _read_int(host_dir / "launch.pid")
+    if launcher is not None and belongs(launcher, run_dir):
+        found["launcher"] = launcher
+    for pid_file in sorted(host_dir.glob("worker-rank*.pid")):
+        pid = _read_int(pid_file)
+        if pid is not None and belongs(pid, run_dir):
+            found[pid_file.stem] = pid
+    return found
+
+
+def last_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """The newest complete row of metrics.jsonl, reading only the end of the file (it is polled)."""
+    path = run_dir / METRICS
+    if not path.is_file():
+        return None
+    with path.open("rb") as fh:
+        fh.seek(max(0, fh.seek(0, os.SEEK_END) - 4096))
+        lines = fh.read().splitlines()
+    for line in reversed(lines):
+        try:
+            return dict(json.loads(line))
+        except ValueError:
+            continue  # a line being written right now, or the cut-off first line
+    return None
+
+
+def status(run_dir: Path, host: str, main: bool) -> dict[str, Any]:
+    """state: running / finished / failed / stopped / lost / absent, exit code, live pids; on the main host
+    (the one that keeps the metrics) the last step, loss, tokens/s and ETA, and run.json's state and error."""
+    host_dir = run_dir / "hosts" / host
+    result: dict[str, Any] = {"host": host, "run_dir": str(run_dir), "job": run_dir.name}
+    if not host_dir.is_dir():
+        return {**result, "state": "absent"}
+    pids = job_pids(run_dir, host)
+    exit_code = _read_int(host_dir / "exit_code")
+    if pids:
+        state = "running"
+    elif exit_code == 0:
+        state = "finished"
+    elif (host_dir / STOPPED_MARK).exists():
+        state = "stopped"
+    elif exit_code is not None:
+        state = "failed"
+    else:
+        state = "lost"  # no process and no exit code: killed with SIGKILL or the host rebooted
+    result.update(state=state, exit_code=exit_code, pids=pids)
+    if main:
+        last = last_metrics(run_dir)
+        if last is not None:
+            result.update({k: last[k] for k in PROGRESS_KEYS if k in last})
+        try:
+            run = json.loads((run_dir / STATUS).read_text())
+        except (OSError, ValueError):
+            run = None
+        if isinstance(run, dict):
+            result.update(run_state=run.get("state"), error=run.get("error"))
+    return result
+
+
+def running_job(runs_dir: Path) -> dict[str, Any] | None:
+    """The job this host runs now, from ``runs/active-job``: {job, pgid}, or None where it names none, or a
+    process group that is gone or no longer this job's (left behind by a job that ended: the next launch
+    replaces it)."""
+    try:
+        parts = (runs_dir / ACTIVE_JOB).read_text().split()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if len(parts) != 2 or not parts[1].isdigit():
+        return None
+    job, pgid = parts[0], int(parts[1])
+    if not belongs(pgid, runs_dir / job):
+        return None
+    return {"job": job, "pgid": pgid}
+
+
+def _signal(pids: dict[str, int], sig: signal.Signals) -> None:
+    for name, pid in pids.items():
+        try:
+            if name == "launcher":
+                os.killpg(pid, sig)  # the launch script leads its own process group: torchrun is in it
+            else:
+                os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_gone(run_dir: Path, host: str, seconds: float) -> dict[str, int]:
+    deadline = time.monotonic() + seconds
+    remaining = job_pids(run_dir, host)
+    while remaining and time.monotonic() < deadline:
+        time.sleep(0.2)
+        remaining = job_pids(run_dir, host)
+    return remaining
+
+
+def stop(run_dir: Path, host: str, grace_s: float) -> dict[str, Any]:
+    """SIGTERM the job's own recorded processes, SIGKILL what is left after ``grace_s`` seconds, confirm.
+
+    Returns {signalled, killed, remaining} (name -> pid each); ``remaining`` is non-empty only when a
+    process survived SIGKILL for 10 s."""
+    host_dir = run_dir / "hosts" / host
+    targets = job_pids(run_dir, host)
+    if targets:
+        (host_dir / STOPPED_MARK).write_text(f"{time.time()}\n")
+    _signal(targets, signal.SIGTERM)
+    remaining = _wait_gone(run_dir, host, grace_s)
+    killed = dict(remaining)
+    _signal(remaining, signal.SIGKILL)
+    remaining = _wait_gone(run_dir, host, 10)
+    active = run_dir.parent / ACTIVE_JOB
+    try:
+        names_this_job = active.read_text().split()[:1] == [run_dir.name]
+    except OSError:
+        names_this_job = False
+    if not remaining and names_this_job:
+        active.unlink()
+    return {"signalled": targets, "killed": killed, "remaining": remaining}
