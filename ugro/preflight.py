@@ -33,7 +33,7 @@ class PreflightError(RuntimeError):
 class Outcome:
     report: Report
     seconds: dict[str, float]
-    facts: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> its probe report
+    facts: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> its ugro_host facts
 
 
 def backend_problems(facts: dict[str, dict[str, Any]], backend: str) -> list[str]:
@@ -41,9 +41,9 @@ def backend_problems(facts: dict[str, dict[str, Any]], backend: str) -> list[str
     if backend != "unsloth":
         return []
     problems = []
-    for host, report in facts.items():
-        gpus = report.get("gpu", {}).get("gpus") or []
-        version = report.get("versions", {}).get("unsloth")
+    for host, found in facts.items():
+        gpus = found.get("gpu", {}).get("gpus") or []
+        version = found.get("versions", {}).get("unsloth")
         if not gpus:
             problems.append(f"{host}: model.backend 'unsloth' needs CUDA, and this host has no NVIDIA GPU")
         elif not version:
@@ -136,7 +136,11 @@ def preflight(
 ) -> Outcome:
     started = time.monotonic()
     report, run = run_fast(inventory, control, thresholds)
-    facts = {h: dict(f["preflight_report"]) for h, f in run.facts.items() if "preflight_report" in f}
+    facts = {
+        h: dict(f["preflight_report"]["host"])
+        for h, f in run.facts.items()
+        if f.get("preflight_report", {}).get("host")
+    }
     seconds = {"fast": time.monotonic() - started}
     if heavy and job_file is not None:
         mid = time.monotonic()

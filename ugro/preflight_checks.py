@@ -1,8 +1,10 @@
 """Judge what the preflight role measured: one row per check, one cell per host, PASS / WARN / FAIL.
 
-Pure functions over the ``preflight_report`` facts of every host (see roles/preflight and
-train/probe.py); ugro/preflight.py runs the playbook and renders the result. Every non-PASS cell
-says its cause and its fix in one line each.
+Pure functions over the ``preflight_report`` fact of every host (roles/preflight): ``host`` is what the
+host module ``ugro_host_facts`` gathered there (``ansible_facts.ugro_host``), ``network`` what
+``ugro_net_probe`` measured (``listen``: label -> port, peers, error; ``connect``: one result per target),
+``error`` why a module failed. ugro/preflight.py runs the playbook and renders the result. Every
+non-PASS cell says its cause and its fix in one line each.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def _ifname_matches(spec: str, ifname: str) -> bool | None:
 
 def _interface_check(host: str, facts: dict[str, Any], address: str) -> Cell:
     interfaces: dict[str, list[str]] = facts.get("interfaces", {})
-    holder = next((name for name, addrs in interfaces.items() if address in addrs), None)
+    holder = facts.get("cluster", {}).get("interface")
     env = facts.get("env_file", {})
     path = env.get("path", "the env file")
     if env.get("error"):
@@ -200,17 +202,22 @@ def _disk_check(host: str, facts: dict[str, Any], rendezvous: str, t: Thresholds
 def _connections(reports: dict[str, dict[str, Any]], label: str) -> list[dict[str, Any]]:
     found = []
     for host, report in reports.items():
-        for result in report.get("connect", []):
+        for result in (report.get("network") or {}).get("connect", []):
             if result.get("label") == label:
                 found.append({**result, "from": host})
     return found
 
 
+def _listener(report: dict[str, Any], label: str) -> dict[str, Any]:
+    """What ugro_net_probe's listener ``label`` of one host did: {port, peers, error}; {} when it had none."""
+    return dict((report.get("network") or {}).get("listen", {}).get(label) or {})
+
+
 def _rendezvous_row(reports: dict[str, dict[str, Any]], rendezvous: str, port: int, hosts: list[str]) -> Check:
     check = Check("rendezvous port")
-    listen = reports.get(rendezvous, {}).get("listen", {})
+    listen = _listener(reports.get(rendezvous, {}), "rendezvous")
     results = {r["from"]: r for r in _connections(reports, "rendezvous")}
-    bind_error = listen.get("errors", {}).get("rendezvous")
+    bind_error = listen.get("error")
     failed = {h: r for h, r in results.items() if not r.get("ok")}
     for host in hosts:
         if host not in reports:
@@ -268,8 +275,8 @@ def _ephemeral_row(reports: dict[str, dict[str, Any]], hosts: list[str], address
     for host in hosts:
         if host not in reports:
             continue
-        port = reports[host].get("listen", {}).get("ports", {}).get("ephemeral")
-        bind_error = reports[host].get("listen", {}).get("errors", {}).get("ephemeral")
+        listen = _listener(reports[host], "ephemeral")
+        port, bind_error = listen.get("port"), listen.get("error")
         inbound = [r for r in failed if r["host"] == host and not bind_error and not sources_fault(r)]
         outbound = [r for r in failed if r["from"] == host and sources_fault(r)]
         mine = [r for r in results if r["from"] == host]
@@ -282,7 +289,7 @@ def _ephemeral_row(reports: dict[str, dict[str, Any]], hosts: list[str], address
             )
         elif inbound:
             peers = ", ".join(sorted(r["from"] for r in inbound))
-            port_range = reports[host].get("facts", {}).get("port_range") or "32768-60999"
+            port_range = (reports[host].get("host") or {}).get("port_range") or "32768-60999"
             check.cells[host] = Cell(
                 "FAIL",
                 f"{len(inbound)} blocked",
@@ -314,7 +321,8 @@ def _clock_row(reports: dict[str, dict[str, Any]], rendezvous: str, t: Threshold
         if host == rendezvous:
             check.cells[host] = Cell("PASS", "reference")
             continue
-        result = next((r for r in report.get("connect", []) if r.get("host") == rendezvous and "offset_s" in r), None)
+        connected = (report.get("network") or {}).get("connect", [])
+        result = next((r for r in connected if r.get("host") == rendezvous and "offset_s" in r), None)
         if result is None:
             check.cells[host] = Cell("SKIP", "not measured")
             continue
@@ -376,12 +384,21 @@ def judge_fast(
                 f"{host}: {unreachable.get(host, 'no report')}"[:300],
                 f"check ansible_host/ansible_user of {host} and that `ssh {host}` works",
             )
-        elif not r.get("facts"):
+        elif not r.get("host") or not r.get("network"):
+            # The host modules' messages end in "Fix: ..." where they know it.
+            cause, _, fix = str(r.get("error") or "no report").partition(" Fix: ")
+            reach.cells[host] = Cell(
+                "FAIL",
+                "module failed",
+                (cause if cause.startswith(f"{host}:") else f"{host}: {cause}")[:300],
+                fix or f"fix what the message names on {host}, then rerun make preflight",
+            )
+        elif r["host"].get("python", {}).get("why"):
             python = python_of.get(host, "ugro_python")
             reach.cells[host] = Cell(
                 "FAIL",
                 "no python",
-                f"{host}: the probe could not run with {python}: {r.get('error') or 'no output'}"[:300],
+                f"{host}: the job's Python {python} could not run: {r['host']['python']['why']}"[:300],
                 f"provision {host} (the repository's .venv at ugro_code_dir) or fix ugro_python ({python})",
             )
         else:
@@ -389,7 +406,7 @@ def judge_fast(
             ok[host] = r
     report.checks.append(reach)
 
-    facts = {h: r["facts"] for h, r in ok.items()}
+    facts = {h: r["host"] for h, r in ok.items()}
     report.checks.append(_running_row(facts))
     for row in VERSION_ROWS:
         values = {h: f["versions"].get(row) for h, f in facts.items()}
@@ -434,7 +451,7 @@ def judge_fast(
             gpu.cells[host] = Cell(
                 "WARN",
                 "none (CPU, gloo)",
-                f"no GPU on {host} ({g.get('smi')}); it trains on CPU",
+                f"no GPU on {host} ({g.get('why') or g.get('smi')}); it trains on CPU",
                 f"expected on a CPU-only host; else install the NVIDIA driver on {host} (make provision)",
             )
     report.checks.append(gpu)

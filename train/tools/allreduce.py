@@ -2,7 +2,7 @@
 
 Run by the preflight role under torchrun (static rendezvous, node rank 0 on the rendezvous host):
 
-    python -m torch.distributed.run ... --module train.tools.allreduce --env-file F --cluster-address A
+    python -m torch.distributed.run ... --module train.tools.allreduce --env-file F --interface IF
 
 Each rank prints one line ``UGRO_ALLREDUCE {json}``: latency (median of small all-reduces) and, for
 a tensor of --bytes, algbw = bytes / time and busbw = algbw * 2 (n - 1) / n, as nccl-tests defines
@@ -15,15 +15,13 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from train.probe import read_env_file
 
 MARK = "UGRO_ALLREDUCE"
 
@@ -34,19 +32,25 @@ def bus_bandwidth(nbytes: int, seconds: float, world: int) -> tuple[float, float
     return algbw, algbw * 2 * (world - 1) / world
 
 
-def socket_env(env_file: Path, cluster_address: str) -> dict[str, str]:
-    """What the launch script exports: the env file's variables, and the interface of the cluster address."""
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines (optionally `export KEY=...`, quoted values) as the launch script sources them;
+    comments and blanks skipped."""
+    values: dict[str, str] = {}
+    for raw in path.read_text().splitlines():
+        line = raw.strip().removeprefix("export ").strip()
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#") and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()):
+            values[key.strip()] = value.strip().strip("'\"")
+    return values
+
+
+def socket_env(env_file: Path, interface: str) -> dict[str, str]:
+    """What the launch script exports: the env file's variables, else the interface that holds the host's
+    cluster address (found by the host facts module, ugro_host_facts, and passed in by the preflight role)."""
     env = read_env_file(env_file) if env_file.is_file() else {}
-    if "GLOO_SOCKET_IFNAME" not in env or "NCCL_SOCKET_IFNAME" not in env:
-        out = subprocess.run(
-            ["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=10, check=False
-        )
-        for line in out.stdout.splitlines():
-            parts = line.split()
-            if len(parts) >= 4 and parts[3].split("/")[0] == cluster_address:
-                env.setdefault("GLOO_SOCKET_IFNAME", parts[1])
-                env.setdefault("NCCL_SOCKET_IFNAME", parts[1])
-                break
+    if interface:
+        env.setdefault("GLOO_SOCKET_IFNAME", interface)
+        env.setdefault("NCCL_SOCKET_IFNAME", interface)
     return env
 
 
@@ -66,12 +70,12 @@ def _timed(tensor: torch.Tensor, iters: int, cuda: bool) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--env-file", type=Path, required=True)
-    parser.add_argument("--cluster-address", required=True)
+    parser.add_argument("--interface", default="", help="the interface holding the cluster address")
     parser.add_argument("--bytes", type=int, default=8 << 20)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--timeout-s", type=int, default=60)
     args = parser.parse_args(argv)
-    os.environ.update(socket_env(args.env_file, args.cluster_address))
+    os.environ.update(socket_env(args.env_file, args.interface))
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
