@@ -84,6 +84,14 @@ def test_node_lock_holds_no_ansible_lint_or_test_tool() -> None:
     assert node["torch"][1] == "2.13.0"
 
 
+def test_node_lock_pins_the_uv_that_syncs_every_node() -> None:
+    """Role python_env runs the uv that node.lock pins (unpacked from its wheel); its Molecule scenario the same one."""
+    uv = _pins("node")["uv"][1]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", uv), uv
+    scenario = lock.read_lock(REQUIREMENTS.parent / "molecule" / "python_env" / "node.lock")
+    assert scenario["uv"][1] == uv, "molecule/python_env/node.lock must pin the uv of requirements/node.lock"
+
+
 @pytest.mark.slow
 def test_node_and_gpu_locks_resolve_together_on_a_linux_gpu_host() -> None:
     expected = _versions(_pins("node")) | _versions(_pins("gpu"))
