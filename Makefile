@@ -1,5 +1,5 @@
 # ugro — every target is a thin call into the Python controller (the `ugro` command, ugro/cli.py) or a test runner.
-# Knobs live in the job file (JOB) and the inventory's group_vars (INVENTORY), never here.
+# Knobs live in the job file (JOB) and the inventory (INVENTORY; defaults in roles/*/defaults), never here.
 
 PYTHON    ?= python3
 VENV      := .venv

@@ -584,8 +584,6 @@ def _write_rootfs_inventory(state: dict[str, Any]) -> None:
         "# (network namespaces + bubblewrap + overlay + sshd), packages through the apt proxy.\n"
     )
     (directory / "inventory.yml").write_text(header + "---\n" + yaml.safe_dump(inventory, sort_keys=False))
-    if (REPO / "inventory" / "group_vars").is_dir():  # the cluster defaults, as for a real inventory
-        (directory / "group_vars").symlink_to(REPO / "inventory" / "group_vars")
     (directory / "ssh_config").write_text("\n".join(
         f"Host {h['name']}\n  HostName {h['address']}\n  User root\n  IdentityFile {directory / 'id_ed25519'}\n"
         "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
@@ -618,12 +616,9 @@ def _write_inventory(state: dict[str, Any]) -> None:
     inventory = {"all": {"children": {"ugro_cluster": {"hosts": hosts}}}}
     header = (
         "# Written by molecule/testbed.py: the testbed hosts (network namespaces + bubblewrap + sshd).\n"
-        "# group_vars/ links to the repository's inventory/group_vars, so the cluster defaults apply.\n"
+        "# The cluster defaults come from the playbooks' role ugro (roles/ugro/defaults/main.yml).\n"
     )
     (directory / "inventory.yml").write_text(header + "---\n" + yaml.safe_dump(inventory, sort_keys=False))
-    group_vars = directory / "group_vars"
-    if not group_vars.exists() and (REPO / "inventory" / "group_vars").is_dir():
-        group_vars.symlink_to(REPO / "inventory" / "group_vars")
 
     blocks = [
         f"Host {h['name']}\n"

@@ -36,7 +36,6 @@ def inventory(tmp_path: Path) -> Path:
     host["ugro_code_dir"] = str(REPO)
     path = tmp_path / "inventory" / "local.yml"
     path.parent.mkdir()
-    shutil.copytree(REPO / "inventory" / "group_vars", path.parent / "group_vars")
     path.write_text(yaml.safe_dump(data))
     return path
 
