@@ -261,7 +261,11 @@ def run(
     table.add_column("sequences/s", justify="right")
     table.add_column("tokens/s", justify="right")
     table.add_column("ratio", justify="right")
-    rows = [(f"rank {r} alone (speed {f})", rate, "") for r, (f, rate) in enumerate(zip(speeds, alone, strict=True))]
+    # How well the emulated devices hold their speeds on this machine: each alone, against rank 0 alone.
+    rows = [
+        (f"rank {r} alone (speed {f})", rate, f"{rate / alone[0]:.2f} of rank 0")
+        for r, (f, rate) in enumerate(zip(speeds, alone, strict=True))
+    ]
     rows += [
         ("ideal: sum of the ranks alone", ideal, "1.00 of ideal"),
         ("plain DDP, equal shares", equal, f"{equal / ideal:.2f} of ideal"),
@@ -276,6 +280,7 @@ def run(
         "setup": asdict(setup),
         "calibration_sequences_per_s": calibration,
         "alone": alone,
+        "alone_over_fastest": [rate / alone[0] for rate in alone],  # vs the factors: the emulation's accuracy
         "ideal": ideal,
         "equal": equal,
         "balanced": balanced,

@@ -2,17 +2,23 @@
 
 Plain ``DistributedDataParallel(model)`` broadcasts every parameter and buffer from rank 0 when it
 is built, the frozen base included, although every rank loaded the same base from disk. ugro's
-``train.distributed.wrap`` leaves frozen weights and buffers out. This command brings up the
-3-host test cluster (network namespaces, real SSH, gloo over veth; needs root), builds the same
-seeded random Llama + LoRA on every host, and times both constructions, reporting the bytes
-each broadcasts. Sizes default to a ~100M-parameter base so the difference is visible on a CPU.
+``train.distributed.wrap`` builds DDP with ``init_sync=False`` and broadcasts only the trainable
+(LoRA) parameters, once. This command brings up the 3-host test cluster (network namespaces, real
+SSH, gloo over veth; needs root), builds the same seeded random Llama + LoRA on every host, and
+times both constructions. The bytes are measured, not computed: each host reads its cluster
+interface's counters (its own network namespace: nothing else talks on it) around each
+construction. Before ugro's, every rank shifts its LoRA weights by its rank, and afterwards the
+ranks compare checksums: they must start equal. Sizes default to a ~100M-parameter base so the
+difference is visible on a CPU.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import importlib.util
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -24,6 +30,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Annotated, Any
 
+import psutil
 import torch
 import torch.distributed as dist
 import typer
@@ -60,35 +67,64 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _timed(build: Any) -> float:
+def _interface_bytes(ifname: str) -> tuple[int, int]:
+    """(sent, received) so far on this host's cluster interface."""
+    counters = psutil.net_io_counters(pernic=True).get(ifname)
+    if counters is None:
+        raise RuntimeError(f"no interface {ifname!r} here (GLOO_SOCKET_IFNAME)")
+    return counters.bytes_sent, counters.bytes_recv
+
+
+def _timed(build: Any, ifname: str) -> dict[str, float]:
+    """Seconds to build, and the bytes this host sent and received meanwhile (barriers included)."""
     dist.barrier()
+    sent, received = _interface_bytes(ifname)
     started = time.perf_counter()
     ddp = build()
     dist.barrier()
     elapsed = time.perf_counter() - started
+    sent_after, received_after = _interface_bytes(ifname)
     del ddp
     gc.collect()
-    return elapsed
+    return {"s": elapsed, "sent": sent_after - sent, "received": received_after - received}
+
+
+def _checksum(tensors: Iterable[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 @app.command("rank", hidden=True)
 def rank(hidden: int = 1024, layers: int = 8, vocab: int = 32000) -> None:
     """Runs on every host under torchrun; rank 0 prints the figures as JSON."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
     info = distributed.init(timeout_s=300)
     model = _model(hidden, layers, vocab)
     everything = [*model.parameters(), *model.buffers()]
     trainable = [p for p in model.parameters() if p.requires_grad]
-    plain = _timed(lambda: DistributedDataParallel(model))
-    ugro = _timed(lambda: distributed.wrap(model, info))
+    plain = _timed(lambda: DistributedDataParallel(model), ifname)
+    with torch.no_grad():  # every rank's own LoRA weights: the broadcast must make them rank 0's
+        for param in trainable:
+            param.add_(info.rank)
+    ugro = _timed(lambda: distributed.wrap(model, info), ifname)
+    mine = {"rank": info.rank, "plain": plain, "ugro": ugro, "trainable": _checksum(trainable)}
+    everyone: list[dict[str, Any] | None] = [None] * info.world_size
+    dist.all_gather_object(everyone, mine)
     if info.rank == 0:
-        figures = {
+        ranks = sorted((e for e in everyone if e is not None), key=lambda e: int(e["rank"]))
+        figures: dict[str, Any] = {
             "world_size": info.world_size,
             "parameters": sum(p.numel() for p in model.parameters()),
-            "plain_bytes": _bytes(everything),
-            "plain_s": plain,
-            "ugro_bytes": _bytes(trainable),
-            "ugro_s": ugro,
+            "plain_payload_bytes": _bytes(everything),
+            "ugro_payload_bytes": _bytes(trainable),
+            "trainable_equal_after_ugro": len({e["trainable"] for e in ranks}) == 1,
         }
+        for key in ("plain", "ugro"):
+            figures[f"{key}_s"] = max(e[key]["s"] for e in ranks)
+            figures[f"{key}_bytes"] = sum(e[key]["sent"] for e in ranks)  # on the wire, every host's
+            figures[f"{key}_received"] = [e[key]["received"] for e in ranks]  # by rank
         print("DDPINIT " + json.dumps(figures), flush=True)
     distributed.shutdown()
 
@@ -156,12 +192,22 @@ def run(
             testbed.down(Path(tmp))
     params = figures["parameters"]
     table = Table(title=f"DDP start-up broadcast, {hosts} test hosts (gloo over veth), {params:,} parameters")
-    for column in ("construction", "broadcast", "time", "projected at 1 Gb/s"):
+    for column in ("construction", "payload", "sent by all hosts", "time", "projected at 1 Gb/s"):
         table.add_column(column, justify="right" if column != "construction" else "left")
-    for name, key in (("plain DistributedDataParallel(model)", "plain"), ("ugro wrap (frozen base left out)", "ugro")):
-        size = figures[f"{key}_bytes"]
-        table.add_row(name, f"{size / 2**20:,.1f} MiB", f"{figures[f'{key}_s']:.2f} s", f"{size * 8 / 1e9:.2f} s")
+    rows = (("plain DistributedDataParallel(model)", "plain"), ("ugro wrap (init_sync=False + LoRA broadcast)", "ugro"))
+    for name, key in rows:
+        size, payload = figures[f"{key}_bytes"], figures[f"{key}_payload_bytes"]
+        table.add_row(
+            name,
+            f"{payload / 2**20:,.2f} MiB",
+            f"{size / 2**20:,.2f} MiB",
+            f"{figures[f'{key}_s']:.2f} s",
+            f"{payload * 8 / 1e9:.2f} s",
+        )
     console.print(table)
+    if not figures["trainable_equal_after_ugro"]:
+        console.print("[red]bench-ddp-init: the ranks' LoRA weights differ after ugro's wrap[/red]")
+        raise typer.Exit(1)
     print(
         f"DDP init: plain {figures['plain_bytes'] / 2**20:.1f} MiB in {figures['plain_s']:.2f} s, "
         f"ugro {figures['ugro_bytes'] / 2**20:.2f} MiB in {figures['ugro_s']:.2f} s"

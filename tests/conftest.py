@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import yaml
@@ -20,6 +20,16 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 # The session's test cluster has a subnet of its own, so `make test` runs beside `make testbed-up`.
 SESSION_SUBNET = "10.213.8.0/24"
+# Set by CI (.ci/run): a test whose prerequisite is missing fails with the reason instead of skipping,
+# so the multi-host tests cannot drop out of a green run unnoticed.
+REQUIRE_ENV = "UGRO_REQUIRE_TESTBED"
+
+
+def unavailable(reason: str) -> NoReturn:
+    """A test's prerequisite (test cluster, a tool) is missing: skip it here, fail it in CI."""
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_ENV}=1: this test must run here)", pytrace=False)
+    pytest.skip(reason)
 
 
 def _why_no_testbed() -> str | None:
@@ -56,7 +66,7 @@ def load_testbed_module() -> ModuleType:
 def testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A 3-host test cluster (tb1..tb3 on eth0/enp5s0/ens3), up for the session and down afterwards."""
     if WHY_NOT is not None:
-        pytest.skip(WHY_NOT)
+        unavailable(WHY_NOT)
     tb = load_testbed_module()
     directory = tmp_path_factory.mktemp("testbed")
     bed = tb.up(directory, hosts=3, subnet=SESSION_SUBNET)

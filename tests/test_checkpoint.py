@@ -44,6 +44,8 @@ def test_save_keeps_last_k_and_roundtrips(tmp_path: Path, parts: tuple) -> None:
     saved = checkpoint.trainable_state(model)
 
     _train_a_bit(model, opt, sched)  # move away, then restore
+    moved = checkpoint.trainable_state(model)
+    assert any(not torch.equal(value, saved[name]) for name, value in moved.items())  # or restoring proves nothing
     restored = checkpoint.restore(tmp_path, model, opt, sched, rank=0)
     assert restored is not None and restored.step == 6
     for name, value in checkpoint.trainable_state(model).items():

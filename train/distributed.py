@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import socket
 import typing
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,28 +154,60 @@ def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.future
 _timed_allreduce.__annotations__ = typing.get_type_hints(_timed_allreduce)
 
 
+def broadcast_trainable(model: torch.nn.Module, info: RankInfo, src: int = 0) -> int:
+    """Collective: every rank takes rank ``src``'s trainable parameters; returns the bytes broadcast.
+
+    Ranks first agree that they hold the same trainable parameters (names, shapes, dtypes): DDP's
+    own check is part of the start-up sync that ``wrap`` turns off. Then one broadcast per dtype
+    (and device) of all of them flattened together, not one per tensor.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    layout = hashlib.sha256(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in named]).encode()).hexdigest()
+    everyone: list[tuple[str, int, str, int] | None] = [None] * info.world_size
+    dist.all_gather_object(everyone, (info.host, info.rank, layout, len(named)))
+    entries = [e for e in everyone if e is not None]
+    ref_host, ref_rank, ref_layout, ref_count = entries[src]
+    odd = [f"{host} (rank {rank}: {count} tensors)" for host, rank, digest, count in entries if digest != ref_layout]
+    if odd:
+        raise ConfigError(
+            f"the trainable parameters differ from {ref_host}'s (rank {ref_rank}: {ref_count} tensors) on "
+            f"{', '.join(odd)}: every host must load the same base model and adapter. Sync the model directory "
+            "and the train code to every host."
+        )
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for _, param in named:
+        groups.setdefault((param.device, param.dtype), []).append(param)
+    sent = 0
+    with torch.no_grad():
+        for params in groups.values():
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            dist.broadcast(flat, src=src)
+            for target, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                target.copy_(value.view_as(target))
+            sent += flat.numel() * flat.element_size()
+    return sent
+
+
 def wrap(
     model: torch.nn.Module, info: RankInfo, clock: StepClock | None = None, compress: str = "none"
 ) -> torch.nn.Module:
     """DDP over the trainable (LoRA) parameters only, with a timing (and optionally bf16) all-reduce hook.
 
-    Frozen base weights and buffers are left out of DDP's start-up broadcast: every rank loads
-    identical ones from disk, and broadcasting a quantized 7B base would cost ~30 s on 1 GbE.
+    DDP's start-up sync (``init_sync``) would broadcast every parameter and buffer from rank 0, the
+    frozen base included: every rank loads identical base weights from disk, and broadcasting a
+    quantized 7B base would cost ~30 s on 1 GbE. It is turned off, and only the trainable
+    parameters are broadcast, once, so that every rank starts from rank 0's.
     """
     if not dist.is_initialized() or info.world_size == 1:
         return model  # one rank: nothing to synchronize, DDP would only add its bookkeeping to every step
-    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-    frozen += [name for name, _ in model.named_buffers()]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
-    with warnings.catch_warnings():
-        # torch 2.13 deprecates broadcast_buffers, but its replacement still broadcasts at init.
-        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-        ddp = DistributedDataParallel(
-            model,
-            device_ids=[info.local_rank] if info.device.type == "cuda" else None,
-            find_unused_parameters=False,
-            broadcast_buffers=False,
-            gradient_as_bucket_view=True,
-        )
+    broadcast_trainable(model, info)
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[info.local_rank] if info.device.type == "cuda" else None,
+        init_sync=False,
+        forward_sync_buffers=False,  # buffers (rotary tables) are computed alike on every rank
+        find_unused_parameters=False,
+        gradient_as_bucket_view=True,
+    )
     ddp.register_comm_hook(_HookState(clock or StepClock(), compress == "bf16"), _timed_allreduce)
     return ddp

@@ -1,0 +1,76 @@
+"""DDP start-up (train/distributed.py ``wrap``): every rank starts from rank 0's trainable weights, the frozen
+base is never broadcast, gradients are still averaged, and ranks whose trainable parameters differ in layout
+fail on every rank with one message naming the host."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import free_port
+
+from train import distributed
+from train.config import ConfigError
+
+WORLD = 2
+
+
+class _Adapted(torch.nn.Module):
+    """A frozen base layer, a trainable adapter, and a buffer, each filled with its rank's own values."""
+
+    def __init__(self, rank: int, adapter_width: int = 4) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(4, 4)
+        self.base.requires_grad_(False)
+        self.adapter = torch.nn.Linear(4, adapter_width, bias=False)
+        self.register_buffer("table", torch.zeros(4))
+        with torch.no_grad():
+            self.base.weight.fill_(10.0 + rank)
+            self.adapter.weight.fill_(1.0 + rank)
+            self.table.fill_(float(rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.adapter(self.base(x) + self.table)
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0",
+        UGRO_HOST=f"host{rank}",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    info = distributed.init(timeout_s=60)
+    model = _Adapted(rank)
+    ddp = distributed.wrap(model, info)
+    started = {"adapter": model.adapter.weight.detach().clone(), "base": model.base.weight.detach().clone()}
+    started["table"] = model.table.detach().clone()
+    ddp(torch.full((2, 4), float(rank + 1))).sum().backward()  # a different batch on every rank
+    assert model.adapter.weight.grad is not None
+    started["grad"] = model.adapter.weight.grad.detach().clone()
+
+    # Rank 1 built its adapter wider: one error, the same on every rank, and nobody left waiting.
+    try:
+        distributed.wrap(_Adapted(rank, adapter_width=8 if rank == 1 else 4), info)
+        started["error"] = "no error"  # type: ignore[assignment]
+    except ConfigError as exc:
+        started["error"] = str(exc)  # type: ignore[assignment]
+    torch.save(started, Path(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ranks_start_from_rank_0s_trainable_weights_and_keep_their_own_base(tmp_path: Path) -> None:
+    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for rank, seen in enumerate(ranks):
+        assert torch.equal(seen["adapter"], torch.full((4, 4), 1.0)), (rank, seen["adapter"])  # rank 0's
+        assert torch.equal(seen["base"], torch.full((4, 4), 10.0 + rank)), rank  # never broadcast
+        assert torch.equal(seen["table"], torch.full((4,), float(rank))), rank  # buffers neither
+        assert torch.equal(seen["grad"], ranks[0]["grad"]), rank  # DDP still averages the gradients
+    assert not torch.equal(ranks[0]["grad"], torch.zeros(4, 4))
+    messages = {seen["error"] for seen in ranks}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "trainable parameters differ from host0's (rank 0: 1 tensors) on host1 (rank 1: 1 tensors)" in message
