@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from train.config import ConfigError, apply_profile, load_job, load_profile
@@ -31,11 +32,8 @@ def _emit(result: dict[str, Any]) -> None:
     print(f"{MARK} {json.dumps(result)}", flush=True)
 
 
-def _mem_available() -> int | None:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return None
+def _mem_available() -> int:
+    return int(psutil.virtual_memory().available)
 
 
 def _is_oom(exc: BaseException) -> bool:
