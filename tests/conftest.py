@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -126,6 +127,28 @@ def torchrun_cmd(
 
 def run_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def run_module(name: str, args: dict[str, Any], python: str = sys.executable, check: bool = False) -> dict[str, Any]:
+    """Run a host module of library/ on localhost (local connection) with real `ansible` and ansible.cfg; its
+    result, with ``failed`` set where the module failed."""
+    env = run_env() | {
+        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+        "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.minimal",  # "localhost | SUCCESS => {json}"
+        "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
+    }
+    argv = [str(Path(sys.executable).parent / "ansible"), "localhost", "-c", "local"]
+    argv += ["-e", f"ansible_python_interpreter={python}", "-m", name, "-a", json.dumps(args)]
+    out = subprocess.run(
+        argv + (["--check"] if check else []), cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    # "localhost | SUCCESS => {...}" or "localhost | FAILED! => {...}", after the [ERROR] lines of a failure.
+    status, _, body = ("\n" + out.stdout).partition("\nlocalhost | ")[2].partition(" => ")
+    try:
+        result = dict(json.JSONDecoder().raw_decode(body)[0])
+    except ValueError:
+        raise AssertionError(f"no result from ansible: {out.stdout}\n{out.stderr}") from None
+    return {**result, "failed": status.startswith("FAILED")}
 
 
 def torchrun(

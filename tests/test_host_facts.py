@@ -7,7 +7,6 @@ signals nothing but those, and bad input or a missing psutil is one error naming
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,32 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_module
 
 REPO = Path(__file__).resolve().parent.parent
-ANSIBLE = Path(sys.executable).parent / "ansible"
 HOST = "node4070"  # the inventory name the roles pass as `host`
 
 pytestmark = pytest.mark.slow
 
 
-def _ansible(module: str, args: dict[str, Any], python: str = sys.executable, check: bool = False) -> dict[str, Any]:
-    """Run one module on localhost (local connection) and return its result."""
-    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}
-    argv = [str(ANSIBLE), "localhost", "-c", "local", "-e", f"ansible_python_interpreter={python}", "-m", module]
-    argv += ["-a", json.dumps(args)] + (["--check"] if check else [])
-    out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
-    # "localhost | SUCCESS => {...}" or "localhost | FAILED! => {...}", the result as indented JSON.
-    rest = out.stdout.partition("localhost | ")[2]
-    status, _, result = rest.partition(" => ")
-    try:
-        found = dict(json.JSONDecoder().raw_decode(result)[0])
-    except ValueError:
-        raise AssertionError(f"no result from ansible: {out.stdout}\n{out.stderr}") from None
-    return {**found, "failed": status.startswith("FAILED")}
-
-
 def _facts(**args: Any) -> dict[str, Any]:
-    result = _ansible("ugro_host_facts", {"host": HOST, **args})
+    result = run_module("ugro_host_facts", {"host": HOST, **args})
     assert not result.get("failed"), result.get("msg")
     return dict(result["ansible_facts"]["ugro_host"])
 
@@ -68,7 +51,7 @@ def test_the_interface_holding_the_cluster_address_is_found() -> None:
 
 
 def test_an_address_no_interface_holds_fails_naming_host_and_address() -> None:
-    result = _ansible(
+    result = run_module(
         "ugro_host_facts",
         {
             "host": HOST,
@@ -83,7 +66,7 @@ def test_an_address_no_interface_holds_fails_naming_host_and_address() -> None:
 
 
 def test_a_malformed_cluster_address_is_one_error_naming_host_and_key() -> None:
-    result = _ansible("ugro_host_facts", {"host": HOST, "cluster_address": "10.0.0"})
+    result = run_module("ugro_host_facts", {"host": HOST, "cluster_address": "10.0.0"})
     assert result["failed"]
     assert result["msg"].startswith(f"{HOST}: cluster_address '10.0.0' is not an IPv4 address")
 
@@ -196,11 +179,11 @@ def test_stop_signals_only_the_jobs_own_recorded_processes(job: Job) -> None:
     (job.code_dir / "runs" / "active-job").write_text(f"{job.job_id} {launcher.pid}\n")
     args = {"code_dir": str(job.code_dir), "job_id": job.job_id, "host": HOST, "grace_s": 5}
 
-    planned = _ansible("ugro_job", args, check=True)
+    planned = run_module("ugro_job", args, check=True)
     assert planned["changed"] and planned["signalled"] == {"launcher": launcher.pid, "worker-rank0": worker.pid}
     assert launcher.poll() is None and worker.poll() is None  # check mode signals nothing
 
-    result = _ansible("ugro_job", args)
+    result = run_module("ugro_job", args)
     assert result["changed"] and not result.get("failed")
     assert result["signalled"] == {"launcher": launcher.pid, "worker-rank0": worker.pid}
     assert result["remaining"] == {}
@@ -209,12 +192,12 @@ def test_stop_signals_only_the_jobs_own_recorded_processes(job: Job) -> None:
     assert job.state()["job"]["state"] == "stopped"
     assert not (job.code_dir / "runs" / "active-job").exists()
 
-    again = _ansible("ugro_job", args)
+    again = run_module("ugro_job", args)
     assert not again["changed"] and again["signalled"] == {}
 
 
 def test_a_bad_job_id_is_one_error_naming_host_and_key(tmp_path: Path) -> None:
-    result = _ansible("ugro_job", {"code_dir": str(tmp_path), "job_id": "../etc", "host": HOST})
+    result = run_module("ugro_job", {"code_dir": str(tmp_path), "job_id": "../etc", "host": HOST})
     assert (
         result["failed"] and result["msg"] == f"{HOST}: job_id '../etc' is not a job id such as default-20261121-190000"
     )
@@ -228,7 +211,7 @@ def test_a_python_without_psutil_fails_naming_host_and_fix(tmp_path: Path) -> No
         ("ugro_host_facts", {"host": HOST}),
         ("ugro_job", {"code_dir": "/x", "job_id": "j", "host": HOST}),
     ):
-        result = _ansible(module, args, python=bare)
+        result = run_module(module, args, python=bare)
         assert result["failed"], module
         assert result["msg"].startswith(f"{HOST}: the Python that runs Ansible modules there ({bare}")
         assert f"cannot import psutil, which {module} needs" in result["msg"]

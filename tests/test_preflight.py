@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import PYTHON, REPO, free_port, run_env, small_job
+from conftest import PYTHON, REPO, free_port, run_env, run_module, small_job
 
 from train.tools.allreduce import bus_bandwidth
 from ugro.preflight_checks import Cell, Report, Thresholds, _ephemeral_row, _ifname_matches, _memory_cell, judge_fast
@@ -34,29 +34,6 @@ def _cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
 
 def _cells(report: dict[str, Any], row: str) -> dict[str, dict[str, str]]:
     return next(c["cells"] for c in report["checks"] if c["name"] == row)
-
-
-def _module(name: str, args: dict[str, Any]) -> dict[str, Any]:
-    """Run a host module of library/ on this machine with real `ansible` (ansible.cfg); its result."""
-    env = run_env() | {
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.minimal",  # "localhost | SUCCESS => {json}"
-        "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
-    }
-    ansible = str(Path(PYTHON).parent / "ansible")
-    out = subprocess.run(
-        [ansible, "localhost", "-m", name, "-a", json.dumps(args)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert "\nlocalhost | " in "\n" + out.stdout, out.stdout + out.stderr  # after the [ERROR] lines of a failure
-    status, _, body = ("\n" + out.stdout).partition("\nlocalhost | ")[2].partition(" => ")
-    result: dict[str, Any] = json.loads(body)
-    result["failed"] = status.startswith("FAILED")
-    return result
 
 
 # ---------------------------------------------------------------------------------------------- unit
@@ -230,7 +207,7 @@ def test_net_probe_reports_reached_refused_and_busy_ports() -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        result = _module(
+        result = run_module(
             "ugro_net_probe",
             {
                 "address": "127.0.0.1",
@@ -254,7 +231,7 @@ def test_net_probe_reports_reached_refused_and_busy_ports() -> None:
     assert reached["ok"] and reached["host"] == "me" and abs(reached["offset_s"]) < 1, reached  # one clock here
     assert not refused["ok"] and "connection refused" in refused["error"] and refused["host"] == "nobody", refused
 
-    bad = _module("ugro_net_probe", {"address": "127.0.0.1", "listen": [{"label": "x", "port": 70000, "peers": 1}]})
+    bad = run_module("ugro_net_probe", {"address": "127.0.0.1", "listen": [{"label": "x", "port": 70000, "peers": 1}]})
     assert bad["failed"] and bad["msg"] == "listen: port 70000 of 'x' is not a TCP port; give one in 1-65535"
 
 
