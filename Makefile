@@ -12,7 +12,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: export train preflight doctor status logs stop validate test bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision
+.PHONY: export train preflight doctor status logs stop validate test bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -22,9 +22,14 @@ help:
 	@echo "make test            the whole test suite (ansible-lint, ruff, mypy, pytest)"
 	@echo "make bench           balanced vs equal vs ideal on 3 emulated unequal ranks; trainer vs a bare loop"
 	@echo "make bench-ddp-init  bytes and time DDP broadcasts at start-up, plain vs ugro, on the test cluster (root)"
+	@echo "make bench-exporter  the node exporter's CPU cost at one scrape every 5 s"
 	@echo "make testbed-up N=3 / make testbed-down   a test cluster of N hosts on this machine (root)"
 	@echo "make export [JOB_ID=...]   merge the run's adapter into its base model (runs/<job-id>/merged)"
+	@echo "make dashboard [INVENTORY=...]   live view of every node's exporter (GPUs, job, loss, per-rank balance); q quits"
+	@echo "make prometheus-config [INVENTORY=...]   runs/monitoring/prometheus.yml: a Prometheus scrape config of every exporter"
 	@echo "make validate        check a job file without starting anything"
+	@echo "make export-slurm [JOB=...] [NODES=2] [RESUME=auto] [SLURM_ARGS=...]   an sbatch script for the job (runs/<job-id>/slurm/)"
+	@echo "make export-k8s [JOB=...] [NODES=2|gpu_12gb=1,gpu_8gb=2] [K8S_ARGS=...]   a Kubernetes manifest: indexed Jobs + headless Service"
 	@echo "make lint            ansible-lint (production profile) and ruff"
 	@echo "make lock            regenerate the locks by role in requirements/ (node, gpu, controller, dev) from their .in files"
 
@@ -59,6 +64,27 @@ export: venv
 validate: venv
 	$(UGRO) validate --job $(JOB)
 
+# The same job under a batch scheduler (README "Beyond the LAN"): an sbatch script in runs/<job-id>/slurm/
+# (submit it with sbatch), or a Kubernetes manifest in runs/<job-id>/k8s/. NODES: SLURM nodes, or pods (a
+# number, or profile=count,... per memory profile); SLURM_ARGS / K8S_ARGS: further options (ugro export-slurm --help).
+NODES      ?= 2
+SLURM_ARGS ?=
+K8S_ARGS   ?=
+.PHONY: export-slurm export-k8s
+export-slurm: venv
+	$(UGRO) export-slurm --job $(JOB) --nodes $(NODES) --resume $(RESUME) $(SLURM_ARGS)
+
+export-k8s: venv
+	$(UGRO) export-k8s --job $(JOB) --nodes $(NODES) $(K8S_ARGS)
+
+# Every node's exporter (role exporter) on one screen; `q` quits.
+dashboard: venv
+	$(UGRO) dashboard --inventory $(INVENTORY)
+
+# A Prometheus scrape configuration from the inventory (every exporter, and node_exporter where set).
+prometheus-config: venv
+	$(UGRO) prometheus-config --inventory $(INVENTORY)
+
 lint: venv
 	$(VENV)/bin/ansible-lint --profile production
 	$(VENV)/bin/ruff check train ugro library bench tests models molecule data
@@ -87,6 +113,14 @@ bench: venv
 
 bench-ddp-init: venv
 	$(PY) -m bench.ddp_init run
+
+# Launch -> first step, and a lost host -> first step on the survivors, on the 3-host test cluster (root).
+bench-recovery: venv
+	$(PY) -m bench.recovery
+
+# The node exporter's CPU cost at one scrape every 5 s (a real exporter process, real HTTP scrapes).
+bench-exporter: venv
+	$(PY) -m bench.exporter $(BENCH_ARGS)
 
 testbed-up: venv
 	$(PY) molecule/testbed.py up --hosts $(or $(N),3) --dir .testbed $(if $(ROOTFS),--rootfs)

@@ -26,6 +26,9 @@ env_file           env        {path, exists, error, ifnames} of O(env_file) (NCC
 profile_exists     env        whether O(profile_file) exists
 resolve            resolve    name -> {address, error}: what each of O(names) resolves to here
 time               clock      the host's clock, seconds since the epoch
+checkpoint         checkpoint with O(job_id): {name, step, path} of the newest checkpoint of the run here
+                              that passes its sha256 manifest, or null (never part of C(all): it
+                              reads every checkpoint file)
 =================  =========  ==================================================================
 """
 
@@ -59,7 +62,7 @@ options:
     type: list
     elements: str
     default: [all]
-    choices: [all, network, gpu, versions, code, job, disk, memory, ports, env, resolve, clock]
+    choices: [all, network, gpu, versions, code, job, disk, memory, ports, env, resolve, clock, checkpoint]
   cluster_address:
     description: The host's IPv4 cluster address; C(cluster) reports the interface holding it.
     type: str
@@ -149,7 +152,7 @@ ansible_facts:
         versions: {python: 3.11.7, torch: 2.9.0, cuda runtime: "12.8", nccl: 2.27.3, transformers: 4.57.1,
                    peft: 0.17.1, unsloth: null}
         job: {job: default-20261121-190000, host: node4070, state: running, exit_code: null,
-              pids: {launcher: 4242, worker-rank1: 4300}}
+              pids: {launcher: 4242, worker-rank1: 4300}, attempt: 0, ranks: [1], failures: []}
 """
 
 import concurrent.futures
@@ -166,16 +169,19 @@ from pathlib import Path
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.ugro_checkpoints import newest_intact
 from ansible.module_utils.ugro_codetree import current_hash
 from ansible.module_utils.ugro_jobstate import HAS_PSUTIL, psutil_missing, running_job, status
 
 if HAS_PSUTIL:
     import psutil
 
-SUBSETS = ("network", "gpu", "versions", "code", "job", "disk", "memory", "ports", "env", "resolve", "clock")
+SUBSETS = (
+    "network", "gpu", "versions", "code", "job", "disk", "memory", "ports", "env", "resolve", "clock", "checkpoint"
+)  # fmt: skip
 # The option each subset needs; subsets not listed need none.
 NEEDS = {"versions": "python", "code": "code_dir", "job": "code_dir", "disk": "disk_path", "env": "env_file",
-         "resolve": "names"}  # fmt: skip
+         "resolve": "names", "checkpoint": "job_id"}  # fmt: skip
 # Distribution name -> version label (the labels preflight compares across hosts).
 PACKAGES = {"torch": "torch", "transformers": "transformers", "peft": "peft", "unsloth": "unsloth"}
 NCCL_DISTS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
@@ -378,6 +384,8 @@ def gather(params: dict[str, Any], subsets: set[str]) -> dict[str, Any]:
         facts["running_job"] = running_job(code_dir / "runs")
         if params["job_id"]:
             facts["job"] = status(code_dir / "runs" / params["job_id"], params["host"], params["main_host"])
+    if "checkpoint" in subsets and code_dir is not None:
+        facts["checkpoint"] = newest_intact(code_dir / "runs" / params["job_id"])
     if "disk" in subsets:
         facts["disk"] = disk(Path(params["disk_path"]))
     if "memory" in subsets:
@@ -432,7 +440,7 @@ def main() -> None:
         module.fail_json(msg=f"{host}: job_id '{params['job_id']}' is not a job id such as default-20261121-190000")
     requested = set(params["gather_subset"])
     if "all" in requested:
-        subsets = {s for s in SUBSETS if s not in NEEDS or params[NEEDS[s]]}
+        subsets = {s for s in SUBSETS if (s not in NEEDS or params[NEEDS[s]]) and s != "checkpoint"}
     else:
         subsets = requested
         for subset in sorted(subsets):

@@ -962,6 +962,42 @@ def _close_control_masters(cp_dir: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# Faults: what the recovery tests and `make bench-recovery` do to a host mid-job.
+
+
+def host_processes(directory: str | Path, host: str, marker: str) -> list[int]:
+    """The pids (as this machine sees them) of the processes inside ``host`` whose command line has ``marker``."""
+    state = _read_state(Path(directory).resolve())
+    if state is None:
+        raise TestbedError(f"no testbed in {directory}")
+    inits = [p for p in state["processes"] if p.get("role") == "init" and p.get("host") == host]
+    found = []
+    for pid in (m for init in inits for m in _namespace_members(init)):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(pid)
+    return found
+
+
+def kill_processes(directory: str | Path, host: str, marker: str) -> list[int]:
+    """SIGKILL every process inside ``host`` whose command line has ``marker`` (a host crash, as the job sees it)."""
+    pids = host_processes(directory, host, marker)
+    _signal(pids, signal.SIGKILL)
+    return pids
+
+
+def set_link(directory: str | Path, host: str, up: bool) -> None:
+    """Bring ``host``'s cluster interface down (a pulled cable: no RST, packets just stop) or back up."""
+    bed = Testbed.load(directory)
+    target = bed.host(host)
+    _run(_tool("ip"), "netns", "exec", target.namespace, _tool("ip"), "link", "set", target.interface,
+         "up" if up else "down")  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
 # Command line.
 
 

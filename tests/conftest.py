@@ -77,6 +77,81 @@ def testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         tb.down(directory)
 
 
+@pytest.fixture(scope="session")
+def cluster(testbed: Any) -> Path:
+    """The test cluster's inventory, one CPU process per host (3 ranks on this 2-core machine)."""
+    data = yaml.safe_load(Path(testbed.inventory).read_text())
+    for host in data["all"]["children"]["ugro_cluster"]["hosts"].values():
+        host["ugro_cpu_procs_per_node"] = 1
+        host["ugro_omp_num_threads"] = 1  # the three hosts share this machine's two cores
+    path = Path(testbed.inventory).parent / "cluster.yml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    """`python -m ugro.cli ...` in the repository, as `make` runs it."""
+    return subprocess.run([PYTHON, "-m", "ugro.cli", *args], cwd=REPO, env=run_env(), capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def job_processes(job_id: str) -> list[str]:
+    """Every process on this machine (all test hosts included) whose command line names the hosts' run."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if f"/opt/ugro/runs/{job_id}" in cmdline:  # the hosts' run dir (not the controller's)
+                found.append(f"{proc.name}: {cmdline[:120]}")
+    return found
+
+
+# The test cluster's job: 30 steps of 6 sequences over 3 ranks, a checkpoint every 5 steps, collectives that
+# give up on a lost peer after 20 s. The recovery tests run it with faults and compare with one unbroken run.
+CLUSTER_JOB: dict[str, Any] = {
+    "train": {"max_steps": 30, "global_batch_size": 6},
+    "checkpoint": {"every": 5},
+    "distributed": {"timeout_s": 20},
+}
+
+
+def cluster_job(name: str, **overrides: dict[str, Any]) -> Path:
+    """Write jobs/<name>.yaml (jobs are synced from the repository): the cluster job with ``overrides``."""
+    sections = {k: {**v, **overrides.get(k, {})} for k, v in CLUSTER_JOB.items()}
+    job = small_job(name=name, **(overrides | sections))
+    path = REPO / "jobs" / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def remove_job(path: Path) -> None:
+    """The job file and every run of it on the controller."""
+    path.unlink(missing_ok=True)
+    for run in (REPO / "runs").glob(f"{path.stem}-*"):
+        shutil.rmtree(run)
+
+
+def newest_run(name: str) -> Path:
+    runs = sorted((REPO / "runs").glob(f"{name}-*"))
+    assert runs, f"no run of {name} in runs/"
+    return runs[-1]
+
+
+@pytest.fixture(scope="session")
+def unbroken_run(cluster: Path) -> Iterator[tuple[Path, subprocess.CompletedProcess[str]]]:
+    """The cluster job once across the 3 test hosts, without faults: (its run directory, the CLI's result)."""
+    path = cluster_job("cluster-test")
+    try:
+        result = cli("train", "--job", str(path), "--inventory", str(cluster), "--poll", "2")
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        yield newest_run("cluster-test"), result
+    finally:
+        remove_job(path)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

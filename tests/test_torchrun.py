@@ -46,6 +46,10 @@ def test_loss_falls_and_the_run_leaves_everything(baseline: Path) -> None:
     assert len(list((baseline / "logs").glob("*-rank*.log"))) == 2
     assert (baseline / "loss.png").stat().st_size > 1000
     assert json.loads((baseline / "run.json").read_text())["state"] == "finished"
+    # Every rank's share and speed in each row (the picture's lower panels); each rank's own figures on its host.
+    ranks = rows[-1]["ranks"]
+    assert len(ranks["share"]) == 2 and abs(sum(ranks["share"]) - 1) < 1e-6 and all(ranks["tokens_per_s"])
+    assert sorted(p.name for p in (baseline / "hosts").glob("*/rank*.json")) == ["rank0.json", "rank1.json"]
 
 
 def test_killed_run_resumes_to_the_same_loss(baseline: Path, tmp_path: Path) -> None:

@@ -94,15 +94,43 @@ class RunConfig(_Strict):
     global_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step, summed over all ranks.")
     seed: int = 1234
     log_every: int = Field(5, gt=0)
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="How many times the controller relaunches the job after a failure it can recover from (a lost "
+        "host, a crashed rank, a collective error); the run ends failed once they are used up.",
+    )
+    min_hosts: int = Field(
+        1,
+        gt=0,
+        description="The fewest hosts the job may continue on after losing some; with fewer it ends failed.",
+    )
 
 
 class CheckpointConfig(_Strict):
     every: int = Field(50, gt=0, description="Optimizer steps between checkpoints; the last step always saves.")
     keep_last: int = Field(3, gt=0)
+    replicas: int = Field(
+        0,
+        ge=0,
+        description="Besides the controller's copy, how many other hosts of the job also keep every checkpoint "
+        "(the controller pushes its verified copy to them), so a resume does not depend on the controller's disk.",
+    )
 
 
 class DistributedConfig(_Strict):
-    timeout_s: int = Field(600, gt=0, description="Process-group timeout: a collective waiting longer fails.")
+    timeout_s: int = Field(
+        120,
+        gt=0,
+        description="Process-group timeout: a collective waiting longer fails, so a rank whose peer was lost (its "
+        "host died, its link was cut) ends within this many seconds instead of hanging (torch's default is 600).",
+    )
+    startup_timeout_s: int = Field(
+        1800,
+        gt=0,
+        description="How long ranks wait for each other where each takes its own time: loading the model and "
+        "data at the start, and the main rank writing the adapter and samples at the end.",
+    )
     grad_compression: Literal["auto", "bf16", "none"] = Field(
         "auto",
         description="Gradients are all-reduced in bf16 (half the bytes). auto: bf16 when the trainable weights are "

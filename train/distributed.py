@@ -28,6 +28,7 @@ class RankInfo:
     device: torch.device
     main_rank: int = 0  # writes metrics and checkpoints: local rank 0 of the rendezvous host
     hosts: tuple[str, ...] = ()  # the host of every rank, by rank
+    attempt: int = 0  # which launch of the run this is (the controller's UGRO_ATTEMPT)
 
     @property
     def is_main(self) -> bool:
@@ -51,7 +52,7 @@ def init(timeout_s: int) -> RankInfo:
         dist.init_process_group(**kwargs)
     host = os.environ.get("UGRO_HOST") or socket.gethostname()
     main_rank, hosts = _roll_call(host, rank, local_rank, world)
-    return RankInfo(rank, local_rank, world, host, device, main_rank, hosts)
+    return RankInfo(rank, local_rank, world, host, device, main_rank, hosts, int(os.environ.get("UGRO_ATTEMPT", "0")))
 
 
 def _roll_call(host: str, rank: int, local_rank: int, world: int) -> tuple[int, tuple[str, ...]]:
@@ -71,15 +72,33 @@ def _roll_call(host: str, rank: int, local_rank: int, world: int) -> tuple[int, 
     return (chosen if chosen < world else 0), tuple(h for h, _ in entries)
 
 
-def leave_together() -> None:
-    """Collective, after a run's last write: no rank tears its process group down while a peer still works.
+def wait_for_all(what: str, timeout_s: int) -> None:
+    """Collective: every rank waits here for all the others, at most ``timeout_s`` seconds.
 
-    Without it the non-main ranks destroyed their gloo connections while the main rank was still saving
-    the adapter, and once (CI, a 3-rank resume) a rank aborted at exit ("terminate called without an
-    active exception"). Only on the success path: after a failure a peer may never arrive.
+    For the waits that take each rank its own, long time (loading the model; the main rank writing the
+    adapter and the samples at the end) rather than the process-group timeout, which bounds every other
+    collective so that a lost peer is noticed within ``distributed.timeout_s``. A gloo monitored barrier:
+    on a timeout it names the ranks that did not arrive. Without the final wait the non-main ranks tore
+    their gloo connections down while the main rank still worked, and once a rank aborted at exit.
     """
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    try:
+        dist.monitored_barrier(group=_control_group(), timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise dist.DistError(f"waiting until {what}: {exc}") from exc
+
+
+_CONTROL: list[dist.ProcessGroup] = []
+
+
+def _control_group() -> dist.ProcessGroup | None:
+    """The gloo group for monitored barriers: the default group on CPU, a gloo group beside NCCL on GPUs."""
+    if dist.get_backend() == "gloo":
+        return None
+    if not _CONTROL:
+        _CONTROL.append(dist.new_group(backend="gloo"))
+    return _CONTROL[0]
 
 
 def shutdown() -> None:

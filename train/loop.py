@@ -5,16 +5,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from train import checkpoint, distributed, evaluate
+from train import checkpoint, distributed, evaluate, preempt
 from train.balance import Balancer
 from train.config import JobConfig
 from train.data import prepare
 from train.distributed import RankInfo
-from train.metrics import MetricsWriter, plot_loss, write_samples, write_status
+from train.failure import NonFiniteError
+from train.metrics import (
+    MetricsWriter,
+    last_logged_step,
+    plot_loss,
+    rank_figures,
+    write_rank_status,
+    write_samples,
+    write_status,
+)
 from train.model import load_model
 from train.sampler import GlobalBatchSampler
 from train.schedule import warmup_cosine
@@ -23,16 +33,22 @@ from train.step import backward, clip
 log = logging.getLogger(__name__)
 
 
-class NonFiniteError(RuntimeError):
-    """The loss or the gradient went NaN/Inf; the run stops and keeps its last good checkpoint."""
+@dataclass
+class Progress:
+    """The optimizer steps done so far, for the failure record of a rank that stops mid-run."""
+
+    step: int | None = None
 
 
-def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: bool) -> None:
+def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: bool, progress: Progress) -> None:
     """Train (under `make bench`, the job's benchmark section makes this rank emulate a slower device)."""
     torch.manual_seed(job.train.seed)
+    preempt.install()  # a batch scheduler's warning before its time limit (train/preempt.py); LAN: nothing
     model, tokenizer, backend = load_model(job, code_dir, info.device)
     blocks = prepare(job.data, tokenizer, code_dir)
     held_out = evaluate.load(job, tokenizer, code_dir)
+    # Loading takes each host its own time; from here on collectives wait at most distributed.timeout_s.
+    distributed.wait_for_all("the model and data are loaded", job.distributed.startup_timeout_s)
     sampler = GlobalBatchSampler(len(blocks), job.train.global_batch_size, job.train.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -46,6 +62,10 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     if restored is not None:
         start = restored.step
         log.info("resumed from %s at step %d", restored.path, start)
+        if info.is_main:
+            resumed = {"from_step": start, "last_step_logged": last_logged_step(run_dir), "attempt": info.attempt,
+                       "world_size": info.world_size, "hosts": sorted(set(info.hosts))}  # fmt: skip
+            write_status(run_dir, resumed=resumed)
     elif resume:
         log.info("no intact checkpoint in %s: starting from step 0", run_dir / "checkpoints")
 
@@ -72,6 +92,8 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             backend=backend,
             world_size=info.world_size,
             plan=balancer.plan.to_dict(),
+            error=None,  # a relaunch after a failure starts clean
+            cause=None,
         )
 
     def held_out_loss(step: int, adapter: bool = True) -> None:
@@ -89,10 +111,12 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     if start == 0:
         held_out_loss(0, adapter=False)
     ddp.train()
+    progress.step = start
     for step in range(start, job.train.max_steps):
         indices = sampler.micro_batches(step, info.rank, balancer.plan.shares, balancer.micro_sizes())
         micro_batches = [blocks.batch(ix, info.device) for ix in indices]
         loss, tokens = backward(ddp, micro_batches, info.device, balancer.clock)
+        shares = balancer.plan.shares  # the split this step ran with
         new_plan = balancer.after_step(warming_up=step < start + 2)
         if new_plan is not None:
             log.info("step %d: re-planned from measured step times: %s", step + 1, new_plan.describe())
@@ -110,10 +134,12 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        done = step + 1
+        done = progress.step = step + 1
+        figures = rank_figures(info.hosts, shares, balancer.clock.gathered, balancer.clock.gathered_tokens)
+        write_rank_status(run_dir, info.host, info.rank, done, job.train.max_steps, loss, figures)
 
         if writer is not None:
-            row = writer.log(done, loss, tokens, lr, grad_norm, sampler.epoch_of(done))
+            row = writer.log(done, loss, tokens, lr, grad_norm, sampler.epoch_of(done), figures)
             if done % job.train.log_every == 0 or done in (start + 1, job.train.max_steps):
                 log.info(
                     "step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f ranks ready after %s s",
@@ -127,7 +153,8 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
                 )
         if job.eval is not None and (done % job.eval.every == 0 or done == job.train.max_steps):
             held_out_loss(done)
-        if done % job.checkpoint.every == 0 or done == job.train.max_steps:
+        stop = preempt.requested(info.device)  # collective when installed: every rank stops after this step
+        if done % job.checkpoint.every == 0 or done == job.train.max_steps or stop:
             saved = checkpoint.save(
                 run_dir,
                 done,
@@ -141,6 +168,8 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             if saved is not None:
                 log.info("checkpoint %s written and verified", saved)
                 write_status(run_dir, step=done, last_checkpoint=str(saved))
+        if stop and done < job.train.max_steps:
+            raise preempt.stop(run_dir, info.is_main, done)
 
     if writer is not None:
         writer.close()
@@ -158,6 +187,6 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             ]
             log.info("answers before/after in %s", write_samples(run_dir, job.model.source, items))
         plot_loss(run_dir)
-        write_status(run_dir, state="finished", step=job.train.max_steps)
+        write_status(run_dir, state="finished", step=job.train.max_steps, error=None, cause=None)
         log.info("finished: adapter in %s", run_dir / "adapter")
-    distributed.leave_together()
+    distributed.wait_for_all("the main rank has written the results", job.distributed.startup_timeout_s)

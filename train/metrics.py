@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ METRICS = "metrics.jsonl"
 EVAL = "eval.jsonl"
 STATUS = "run.json"
 SAMPLES = "samples"  # samples.md for people, samples.json for the controller's summary
+# hosts/<host>/rank<N>.json: every rank's own latest figures, on its own host (the node exporter reads them).
+RANK_STATUS = "rank{rank}.json"
 
 
 def write_status(run_dir: Path, **fields: Any) -> None:
@@ -38,10 +41,33 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def last_logged_step(run_dir: Path) -> int | None:
+    rows = read_metrics(run_dir)
+    return int(rows[-1]["step"]) if rows else None
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Remove the rows of steps after ``step`` (a resumed run redoes them; from step 0, all), atomically."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if step > 0 and int(json.loads(line)["step"]) <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut off by the failure that ended the last attempt
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        for name in (METRICS, EVAL):
+            _drop_rows_after(run_dir / name, start_step)
         self.run_dir = run_dir
         self.total = total_steps
         self.start_step = start_step
@@ -50,11 +76,21 @@ class MetricsWriter:
         self._file = (run_dir / METRICS).open("a", encoding="utf-8")
         self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
 
-    def log(self, step: int, loss: float, tokens: int, lr: float, grad_norm: float, epoch: float) -> dict[str, Any]:
+    def log(
+        self,
+        step: int,
+        loss: float,
+        tokens: int,
+        lr: float,
+        grad_norm: float,
+        epoch: float,
+        ranks: dict[str, list[Any]] | None = None,
+    ) -> dict[str, Any]:
+        """One optimizer step; ``ranks`` (``rank_figures``) holds every rank's host, share and speed."""
         self.tokens_since_start += tokens
         elapsed = time.monotonic() - self.started
         done = step - self.start_step
-        row = {
+        row: dict[str, Any] = {
             "step": step,
             "total_steps": self.total,
             "loss": round(loss, 6),
@@ -67,6 +103,8 @@ class MetricsWriter:
             "eta_s": round(elapsed / done * (self.total - step), 1) if done else None,
             "time": time.time(),
         }
+        if ranks is not None:
+            row["ranks"] = ranks
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
@@ -89,6 +127,50 @@ class MetricsWriter:
     def close(self) -> None:
         self._file.close()
         self._tb.close()
+
+
+def rank_figures(
+    hosts: Sequence[str], shares: Sequence[int], ready_s: Sequence[float], tokens: Sequence[float]
+) -> dict[str, list[Any]]:
+    """Every rank's host and share of this step's global batch (0-1), and, from the step before (the figures
+    this step's all-reduce brought: train/step.py ``StepClock``), its compute time until its gradients were
+    ready and its label tokens per second of that time; None where nothing was timed yet (a run's first step)."""
+    total = sum(shares) or 1
+    return {
+        "host": list(hosts),
+        "share": [round(s / total, 6) for s in shares],
+        "ready_s": [round(t, 4) if t > 0 else None for t in ready_s],
+        "tokens_per_s": [round(n / t, 1) if t > 0 else None for n, t in zip(tokens, ready_s, strict=False)],
+    }
+
+
+def write_rank_status(
+    run_dir: Path, host: str, rank: int, step: int, total_steps: int, loss: float, figures: dict[str, list[Any]]
+) -> None:
+    """This rank's latest figures into ``hosts/<host>/rank<N>.json`` on its own host, atomically, every step:
+    what the node exporter (ugro/module_utils/ugro_exporter.py) serves for the ranks of its host."""
+
+    def own(key: str) -> Any:
+        values = figures.get(key, [])
+        return values[rank] if rank < len(values) else None
+
+    record = {
+        "job": run_dir.name,
+        "host": host,
+        "rank": rank,
+        "world_size": len(figures.get("share", [])),
+        "step": step,
+        "total_steps": total_steps,
+        "loss": round(loss, 6),
+        "share": own("share"),
+        "ready_s": own("ready_s"),
+        "tokens_per_s": own("tokens_per_s"),
+        "time": time.time(),
+    }
+    path = run_dir / "hosts" / host / RANK_STATUS.format(rank=rank)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
 
 
 def read_eval(run_dir: Path) -> list[dict[str, Any]]:
@@ -120,8 +202,22 @@ def write_samples(run_dir: Path, model_name: str, items: list[dict[str, str]]) -
     return out
 
 
+def _per_rank(rows: list[dict[str, Any]], key: str) -> dict[int, tuple[list[int], list[float]]]:
+    """rank -> (steps, values) of one per-rank figure, for the rows that carry it."""
+    series: dict[int, tuple[list[int], list[float]]] = {}
+    for row in rows:
+        values = (row.get("ranks") or {}).get(key) or []
+        for rank, value in enumerate(values):
+            if value is not None:
+                steps, ys = series.setdefault(rank, ([], []))
+                steps.append(int(row["step"]) - (0 if key == "share" else 1))  # times are the step before's
+                ys.append(float(value))
+    return series
+
+
 def plot_loss(run_dir: Path) -> Path | None:
-    """Draw loss over steps from metrics.jsonl into loss.png."""
+    """The end-of-run picture, loss.png: training and held-out loss over the steps, each rank's tokens/s, and
+    each rank's share of the global batch (how the balancer split it), from metrics.jsonl."""
     rows = read_metrics(run_dir)
     if not rows:
         return None
@@ -130,16 +226,46 @@ def plot_loss(run_dir: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    speed, share = _per_rank(rows, "tokens_per_s"), _per_rank(rows, "share")
+    panels = 3 if speed or share else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 3.2 * panels), dpi=100, sharex=True, squeeze=False)
+    ax = axes[0][0]
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".", linewidth=1, label="training")
     evals = read_eval(run_dir)
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], marker="o", label="held-out")
-        ax.legend()
-    ax.set_xlabel("optimizer step")
+    ax.legend()
     ax.set_ylabel("loss (mean per answer token)")
     ax.set_title(run_dir.name)
-    ax.grid(alpha=0.3)
+    if panels == 3:
+        hosts = next(((row.get("ranks") or {}).get("host") for row in reversed(rows) if row.get("ranks")), None) or []
+
+        def name(rank: int) -> str:
+            return f"rank {rank} ({hosts[rank]})" if rank < len(hosts) else f"rank {rank}"
+
+        ax = axes[1][0]
+        for rank, (steps, values) in sorted(speed.items()):
+            ax.plot(steps, values, linewidth=1, label=name(rank))
+        ax.plot([r["step"] for r in rows], [r["tokens_per_s"] for r in rows], "k--", linewidth=1,
+                label="all ranks (wall clock, since start)")  # fmt: skip
+        ax.set_ylabel("tokens/s")
+        ax.set_title("tokens/s per rank (its own compute time, waiting left out)", fontsize="medium")
+        ax.legend(fontsize="small")
+        ax = axes[2][0]
+        steps = [int(row["step"]) for row in rows if row.get("ranks")]
+        bottom = [0.0] * len(steps)
+        for rank, (at, values) in sorted(share.items()):  # stacked: each rank a band, together the whole batch
+            by_step = dict(zip(at, values, strict=True))
+            top = [b + by_step.get(step, 0.0) for b, step in zip(bottom, steps, strict=True)]
+            ax.fill_between(steps, bottom, top, step="post", alpha=0.85, label=name(rank))
+            bottom = top
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("share of the global batch")
+        ax.set_title("each rank's share of the global batch, stacked (the balancer's plan)", fontsize="medium")
+        ax.legend(fontsize="small", loc="lower right", framealpha=0.9)
+    axes[-1][0].set_xlabel("optimizer step")
+    for row_axes in axes:
+        row_axes[0].grid(alpha=0.3)
     out = run_dir / "loss.png"
     fig.tight_layout()
     fig.savefig(out)

@@ -8,8 +8,9 @@ single process would compute on the whole global batch, however the batch was sp
 Every micro-batch but the last runs under ``no_sync()``, so each rank does exactly one
 synchronizing backward per optimizer step.
 
-The same all-reduce that sums T also carries every rank's compute time of the previous step
-(``StepClock``), which the balancer needs: timing costs no extra message.
+The same all-reduce that sums T also carries every rank's compute time and label tokens of the
+previous step (``StepClock``), which the balancer and the per-rank figures (tokens/s, ready time)
+need: timing costs no extra message.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ class StepClock:
 
     device_s_per_token: float = 0.0
     last_compute_s: float = 0.0  # the previous step's, shared with everyone in the next step's all-reduce
+    last_tokens: int = 0  # this rank's label tokens in the previous step, shared alongside its time
     gathered: list[float] = field(default_factory=list)  # every rank's previous-step compute time
+    gathered_tokens: list[float] = field(default_factory=list)  # every rank's previous-step label tokens
     _start: float = 0.0
     _mark: float = 0.0
     _pending_tokens: int = 0
@@ -100,11 +103,13 @@ def backward(
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
     rank = dist.get_rank() if initialized else 0
-    stats = torch.zeros(1 + world, dtype=torch.float64, device=device)
-    stats[0] = sum(label_tokens(mb) for mb in micro_batches)
+    own_tokens = sum(label_tokens(mb) for mb in micro_batches)
+    stats = torch.zeros(1 + 2 * world, dtype=torch.float64, device=device)
+    stats[0] = own_tokens
     stats[1 + rank] = clock.last_compute_s
-    stats = _all_reduce_sum(stats)
-    total, clock.gathered = int(stats[0].item()), stats[1:].tolist()
+    stats[1 + world + rank] = clock.last_tokens
+    values = _all_reduce_sum(stats).tolist()
+    total, clock.gathered, clock.gathered_tokens = int(values[0]), values[1 : 1 + world], values[1 + world :]
 
     clock.begin()
     scale = world / max(total, 1)
@@ -121,6 +126,7 @@ def backward(
             clock.lap()
         loss_sum += loss.detach().double()
     clock.end()
+    clock.last_tokens = own_tokens
     global_loss = _all_reduce_sum(loss_sum) / max(total, 1)
     return float(global_loss.item()), total
 

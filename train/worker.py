@@ -1,7 +1,9 @@
 """What torchrun runs on every rank: ``python -m train.worker --job JOB --run-dir DIR``.
 
-Exit codes: 0 finished, 2 bad configuration (message names the file/host and key),
-3 the loss or gradient went non-finite (the last good checkpoint is kept).
+Exit codes: 0 finished, 2 bad configuration (message names the file/host and key), 3 the loss or
+gradient went non-finite (the last good checkpoint is kept), 4 any other failure, 143 stopped. Every
+ending but success appends the cause to ``hosts/<host>/failures.jsonl`` (train/failure.py); the main
+rank also writes it into run.json.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from train import distributed, loop
+from train import distributed, failure, loop
 from train.config import ConfigError, DistributedConfig, JobConfig, apply_profile, load_job, load_profile
 from train.metrics import write_status
 
@@ -49,7 +51,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m train.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--job", required=True, type=Path, help="job file (YAML)")
     parser.add_argument("--run-dir", required=True, type=Path, help="directory this run writes to")
-    parser.add_argument("--resume", choices=["none", "auto"], default="none")
+    parser.add_argument(
+        "--resume",
+        choices=["none", "auto"],
+        default="none",
+        help="auto: continue from the newest intact checkpoint in the run directory",
+    )
     parser.add_argument("--profile", type=Path, default=None, help="this host's memory profile (rank-local keys)")
     parser.add_argument("--code-dir", type=Path, default=Path.cwd(), help="base for relative paths in the job")
     parser.add_argument("--benchmark", action="store_true", help=argparse.SUPPRESS)  # only `make bench` sets it
@@ -67,32 +74,36 @@ def _load(args: argparse.Namespace, host: str) -> tuple[JobConfig | None, str | 
     return job, None
 
 
+EXIT_CODES = {"config": 2, "non_finite": 3, "stopped": 143}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    failure.stop_on_signals()
     rank = int(os.environ.get("RANK", "0"))
     run_dir = args.run_dir.resolve()
     host = os.environ.get("UGRO_HOST") or os.uname().nodename
     _setup_logging(run_dir, host, rank)
     _record_pid(run_dir, host, rank)
+    # A relaunch after a failure (the controller's, or torchrun's own restart) always continues.
+    resume = args.resume == "auto" or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     info: distributed.RankInfo | None = None
+    progress = loop.Progress()
     try:
         job, problem = _load(args, host)
         info = distributed.init(job.distributed.timeout_s if job else DistributedConfig().timeout_s)
         distributed.agree(problem, info)  # a bad file on one host stops every rank, none waits
         assert job is not None
         distributed.check_same_job(job, info)
-        loop.run(job, info, run_dir, args.code_dir.resolve(), args.resume == "auto")
+        loop.run(job, info, run_dir, args.code_dir.resolve(), resume, progress)
         return 0
-    except ConfigError as exc:
-        log.error("configuration error: %s", exc)
+    except (Exception, failure.Stopped) as exc:
+        ended = failure.record(run_dir, exc, host, info.rank if info else rank, progress.step)
+        log.error("%s: %s", ended.kind, ended.message)
         if info.is_main if info else rank == 0:
-            write_status(run_dir, state="failed", error=str(exc))
-        return 2
-    except loop.NonFiniteError as exc:
-        log.error("stopped: non-finite values: %s", exc)
-        if info.is_main if info else rank == 0:
-            write_status(run_dir, state="failed", error=f"non-finite: {exc}")
-        return 3
+            state = "stopped" if ended.kind == "stopped" else "failed"
+            write_status(run_dir, state=state, error=ended.message, cause=ended.to_dict())
+        return EXIT_CODES.get(ended.kind, 4)
     finally:
         distributed.shutdown()
 

@@ -18,11 +18,12 @@ from rich.table import Table
 
 from train.config import ConfigError, JobConfig, load_job
 from train.metrics import read_eval, read_metrics, read_samples
-from ugro import codesync, doctor, jobcheck
+from ugro import codesync, doctor, jobcheck, scheduler_cli
 from ugro import preflight as preflight_run
-from ugro.follow import follow, local_source, remote_source
+from ugro.cluster import InventoryError, read_cluster
 from ugro.launcher import REPO, PlaybookRun, run_playbook
 from ugro.preflight_checks import Thresholds
+from ugro.supervisor import LaunchError, Supervisor, record
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ugro: LoRA fine-tuning across the GPUs of a LAN.")
 console = Console()
@@ -175,6 +176,13 @@ def train(
     job = _load(job_file)
     if not inventory.is_file():
         raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
+    try:
+        cluster = read_cluster(inventory)
+    except InventoryError as exc:
+        raise _fail(str(exc)) from None
+    if job.train.min_hosts > len(cluster.hosts):
+        raise _fail(f"{job_file}: train.min_hosts is {job.train.min_hosts} but {inventory} has only "
+                    f"{len(cluster.hosts)} host(s) in ugro_cluster; lower train.min_hosts")  # fmt: skip
     _prepare_model(job)
     if not skip_preflight:
         _fast_preflight(inventory, job.model.backend)
@@ -186,8 +194,6 @@ def train(
     extravars = {
         "ugro_job_id": job_id,
         "ugro_job_file": _relative_to_repo(job_file),
-        "ugro_resume": resume,
-        "ugro_wait": False,
         "ugro_code_archive": str(control / "code.tar.gz"),
         "ugro_code_hash": code_hash,
         "ugro_model_dirs": jobcheck.model_dirs(job, REPO),
@@ -196,30 +202,42 @@ def train(
         f"job [bold]{job_id}[/] on {inventory}: {job.train.max_steps} steps, global batch "
         f"{job.train.global_batch_size}, model {job.model.source}, code {code_hash[:12]}"
     )
-    launch = run_playbook("train.yml", inventory, extravars, control / "ansible",
-                          on_task=lambda name: console.print(f"[dim]- {name}[/]", highlight=False))  # fmt: skip
-    if not launch.ok:
+    supervisor = Supervisor(job, cluster, inventory, run_dir, extravars, console, poll if cluster.remote else 1.0,
+                            on_task=lambda name: console.print(f"[dim]- {name}[/]", highlight=False))  # fmt: skip
+    try:
+        outcome = supervisor.run(resume == "auto", on_started=lambda: _latest_link(run_dir))
+    except LaunchError as exc:
         if resume == "none" and not (run_dir / "hosts").exists():
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing started: leave no empty run behind
-        raise _launch_failed(launch, "launch")
-    _latest_link(run_dir)
-    local = all((run_dir / "hosts" / host / "launch.pid").exists() for host in launch.hosts)
-    source = local_source(run_dir, launch.hosts) if local else remote_source(inventory, job_id, control / "ansible")
-    try:
-        statuses = follow(source, console, poll_s=1.0 if local else poll)
+        raise _launch_failed(exc.run, "launch") from None
     except KeyboardInterrupt:
         console.print(f"\ndetached: job {job_id} keeps running; `make status`, `make logs`, `make stop`")
         raise typer.Exit(130) from None
-    run_playbook("logs.yml", inventory, {"ugro_job_id": job_id}, control / "ansible")
-    bad = {host: s for host, s in statuses.items() if s.get("state") != "finished"}
-    if bad:
-        for host, state in bad.items():
+    run_playbook("logs.yml", inventory, {"ugro_job_id": job_id, "ugro_rendezvous_host": outcome.main},
+                 control / "ansible", limit=outcome.hosts)  # fmt: skip
+    record(run_dir, outcome)
+    for restart in outcome.restarts:
+        cause = restart["cause"]
+        redone = restart.get("steps_redone", "?")
+        console.print(
+            f"[yellow]restart {restart['attempt']}:[/] {cause['kind']} on {cause['host']}"
+            f"{' rank ' + str(cause['rank']) if cause.get('rank') is not None else ''}: {cause['message']} -> "
+            f"relaunched on {', '.join(restart['hosts_after'])} from step {restart.get('resumed_from_step', '?')} "
+            f"({redone} steps redone)",
+            highlight=False,
+        )
+    if outcome.state != "finished":
+        for host, state in outcome.statuses.items():
             code = f" (exit code {state['exit_code']})" if state.get("exit_code") is not None else ""
             err.print(f"[bold red]{host}:[/] {state.get('state')}{code}", highlight=False)
-        cause = next((s["error"] for s in statuses.values() if s.get("error")), None)
-        if cause:
-            err.print(f"[bold red]cause:[/] {cause}", highlight=False)
-        raise _fail(f"the run did not finish; logs are in {run_dir / 'logs'}", code=1)
+        cause_line = (
+            outcome.cause.line()
+            if outcome.cause
+            else next((s["error"] for s in outcome.statuses.values() if s.get("error")), None)
+        )
+        if cause_line:
+            err.print(f"[bold red]cause:[/] {cause_line}", highlight=False)
+        raise _fail(f"the run {outcome.state}; logs are in {run_dir / 'logs'} (`make doctor` explains)", code=1)
     _summary(run_dir)
 
 
@@ -320,8 +338,12 @@ def export_cmd(
 def status(
     inventory: InventoryOpt = Path("inventory/local.yml"),
     job_id: JobIdOpt = None,
+    run_dir: Annotated[Path | None, typer.Option(help="a SLURM run's directory (shared filesystem)")] = None,
 ) -> None:
     """Per host: running / finished / failed / stopped, step, last loss, process ids."""
+    if run_dir is not None or (REPO / "runs" / _job_id(job_id) / "slurm").is_dir():
+        # A SLURM run (`ugro export-slurm`): read from its directory, no inventory (ugro/scheduler_cli.py).
+        raise typer.Exit(scheduler_cli.status(run_dir or REPO / "runs" / _job_id(job_id), console))
     job_id = _job_id(job_id)
     run = run_playbook("status.yml", inventory, {"ugro_job_id": job_id}, REPO / "runs" / ".control" / "status")
     table = Table(title=f"job {job_id}")
@@ -367,6 +389,45 @@ def logs(
         raise _launch_failed(run, "collecting logs")
     _latest_link(run_dir)
     console.print(f"logs of {', '.join(run.hosts)} in {run_dir / 'logs'} (runs/latest -> {job_id})")
+
+
+@app.command()
+def dashboard(
+    inventory: InventoryOpt = Path("inventory/local.yml"),
+    interval: Annotated[float, typer.Option(help="seconds between polls of the exporters")] = 2.0,
+) -> None:
+    """Live view of every node's exporter: GPUs or CPU, the job's progress, loss, per-rank balance; q quits."""
+    from ugro import dashboard as dash
+    from ugro.monitor import MonitorError
+
+    try:
+        dash.run(inventory, interval)
+    except MonitorError as exc:
+        raise _fail(str(exc)) from None
+
+
+@app.command(name="prometheus-config")
+def prometheus_config_cmd(
+    inventory: InventoryOpt = Path("inventory/local.yml"),
+    out: Annotated[Path, typer.Option(help="where to write it")] = Path("runs/monitoring/prometheus.yml"),
+    scrape_interval: Annotated[str, typer.Option(help="Prometheus scrape interval")] = "15s",
+) -> None:
+    """A Prometheus scrape configuration: every node's exporter, and node_exporter where the inventory sets one."""
+    from ugro.monitor import MonitorError, render_prometheus_config
+
+    try:
+        text = render_prometheus_config(inventory, scrape_interval)
+    except MonitorError as exc:
+        raise _fail(str(exc)) from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    console.print(f"{out}: scrape configuration of {inventory} (prometheus --config.file={out}); Grafana: import "
+                  f"{REPO / 'ugro' / 'monitoring' / 'grafana-dashboard.json'}", highlight=False)  # fmt: skip
+
+
+# The same job under a batch scheduler (ugro/scheduler_cli.py): an sbatch script, a Kubernetes manifest.
+app.command(name="export-slurm")(scheduler_cli.export_slurm)
+app.command(name="export-k8s")(scheduler_cli.export_k8s)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -94,6 +95,24 @@ KNOWN = (
 )
 
 
+# The fix for each kind of ending the ranks (train/failure.py) and the controller (ugro/recovery.py) record.
+FIXES = {
+    "oom": "lower rank_local.micro_batch_size in that host's /etc/ugro/profile.yaml or set "
+    "rank_local.gradient_checkpointing: true; make preflight measures the fit",
+    "collective": "a peer was lost or a collective waited longer than distributed.timeout_s; the other findings "
+    "name the host that went first",
+    "config": "fix the key the message names, then launch again",
+    "non_finite": "lower optim.lr, raise schedule.warmup_steps or lower optim.grad_clip, then `make train RESUME=auto`",
+    "stopped": "the rank was told to stop (make stop, or torchrun ending it because another rank failed)",
+    "error": "read the rank's log for the traceback",
+    "vanished": "look at the host's kernel log (`journalctl -k`: the OOM killer, a segfault) and the rank's log",
+    "lost": "the host rebooted, crashed or lost every job process: check its uptime and journal; it rejoins the "
+    "job at the next relaunch once it answers",
+    "unreachable": "the host stopped answering over SSH: check its power, cable or Wi-Fi and sleep settings",
+    "launch": "a relaunch could not start there: read the message, fix the host, `make train RESUME=auto`",
+}
+
+
 @dataclass
 class Finding:
     host: str
@@ -119,9 +138,32 @@ def _log_files(run_dir: Path) -> list[Path]:
     return files
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _recorded(run_dir: Path) -> list[Finding]:
+    """The causes the run recorded: every restart's, and how it ended if it did not finish (run.json)."""
+    record = _read_json(run_dir / "run.json")
+    causes = [(f"run.json restarts[{i}]", r.get("cause") or {}) for i, r in enumerate(record.get("restarts") or [])]
+    if record.get("state") in ("failed", "stopped") and record.get("cause"):
+        causes.append(("run.json cause", record["cause"]))
+    found = []
+    for where, cause in causes:
+        kind = str(cause.get("kind") or "error")
+        rank = f" rank {cause['rank']}" if cause.get("rank") is not None else ""
+        found.append(Finding(str(cause.get("host") or "?"), kind, f"{kind}{rank}: {cause.get('message')}",
+                             FIXES.get(kind, FIXES["error"]), where))  # fmt: skip
+    return found
+
+
 def diagnose(run_dir: Path) -> list[Finding]:
-    """Every known failure in the run's logs, the first occurrence per host and cause."""
-    findings: list[Finding] = []
+    """The causes the run recorded, then every known failure in its logs (first occurrence per host and cause)."""
+    findings: list[Finding] = _recorded(run_dir)
     seen: set[tuple[str, str]] = set()
     files = _log_files(run_dir)
     for path in files:

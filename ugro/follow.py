@@ -19,6 +19,7 @@ from ugro.module_utils import ugro_jobstate
 
 Statuses = dict[str, dict[str, Any]]
 StatusSource = Callable[[], Statuses]
+Until = Callable[[Statuses], bool]
 ENDED = {"finished", "failed", "stopped", "lost", "absent"}
 
 
@@ -27,14 +28,19 @@ def local_source(run_dir: Path, hosts: list[str]) -> StatusSource:
     return lambda: {host: ugro_jobstate.status(run_dir, host, main=True) for host in hosts}
 
 
-def remote_source(inventory: Path, job_id: str, private_dir: Path) -> StatusSource:
+def remote_source(inventory: Path, job_id: str, private_dir: Path, hosts: list[str], main: str) -> StatusSource:
+    """Each poll runs playbooks/status.yml on ``hosts``; a host that does not answer reads "unreachable"."""
+    extravars = {"ugro_job_id": job_id, "ugro_rendezvous_host": main}
+
     def poll() -> Statuses:
-        run = run_playbook("status.yml", inventory, {"ugro_job_id": job_id}, private_dir)
+        run = run_playbook("status.yml", inventory, extravars, private_dir, limit=hosts)
         found: Statuses = {
             host: facts["train_job_status"] for host, facts in run.facts.items() if "train_job_status" in facts
         }
         for host, message in run.failures.items():
             found[host] = {"host": host, "state": "unreachable", "error": message}
+        for host in hosts:
+            found.setdefault(host, {"host": host, "state": "unreachable", "error": "no answer"})
         return found
 
     return poll
@@ -55,10 +61,11 @@ def _eta(seconds: float | None) -> str:
     return f"{minutes}:{secs:02d}"
 
 
-def follow(source: StatusSource, console: Console, poll_s: float) -> Statuses:
-    """Poll until every host's job has ended; Ctrl-C propagates to the caller (the job keeps running)."""
+def follow(source: StatusSource, console: Console, poll_s: float, until: Until = ended) -> Statuses:
+    """Poll until ``until`` says so (by default: every host's job has ended); Ctrl-C propagates to the caller
+    (the job keeps running)."""
     if not console.is_terminal:
-        return _follow_plain(source, console, poll_s)
+        return _follow_plain(source, console, poll_s, until)
     columns = (
         TextColumn("[bold]training"),
         BarColumn(),
@@ -76,21 +83,22 @@ def follow(source: StatusSource, console: Console, poll_s: float) -> Statuses:
             if row is not None:
                 progress.update(task, completed=row["step"], total=row["total_steps"], loss=f"{row['loss']:.4f}",
                                 tps=f"{row['tokens_per_s']:.0f}", eta=_eta(row["eta_s"]))  # fmt: skip
-            if ended(statuses):
+            if until(statuses):
                 return statuses
             time.sleep(poll_s)
 
 
-def _follow_plain(source: StatusSource, console: Console, poll_s: float) -> Statuses:
+def _follow_plain(source: StatusSource, console: Console, poll_s: float, until: Until) -> Statuses:
     last_step, next_report = -1, 0.0
     while True:
         statuses = source()
         row = _progress_row(statuses)
         now = time.monotonic()
-        if row is not None and row["step"] != last_step and (now >= next_report or ended(statuses)):
+        done = until(statuses)
+        if row is not None and row["step"] != last_step and (now >= next_report or done):
             console.print(f"step {row['step']}/{row['total_steps']}  loss {row['loss']:.4f}  "
                           f"{row['tokens_per_s']:.0f} tok/s  ETA {_eta(row['eta_s'])}")  # fmt: skip
             last_step, next_report = row["step"], now + 5
-        if ended(statuses):
+        if done:
             return statuses
         time.sleep(poll_s)

@@ -42,9 +42,14 @@ def _failure_message(result: dict[str, Any]) -> str:
 
 
 def start_playbook(
-    playbook: str, inventory: Path, extravars: dict[str, Any], private_dir: Path, on_task: Any = None
+    playbook: str,
+    inventory: Path,
+    extravars: dict[str, Any],
+    private_dir: Path,
+    on_task: Any = None,
+    limit: list[str] | None = None,
 ) -> PlaybookRun:
-    """Start ``playbooks/<playbook>`` against ``inventory``; returns at once."""
+    """Start ``playbooks/<playbook>`` against ``inventory`` (only the hosts in ``limit``, if given); returns at once."""
     import ansible_runner
 
     private_dir.mkdir(parents=True, exist_ok=True)
@@ -77,6 +82,7 @@ def start_playbook(
         playbook=str(REPO / "playbooks" / playbook),
         inventory=str(inventory.resolve()),
         extravars=extravars,
+        limit=",".join(limit) if limit else None,
         envvars={
             "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
             # ansible-playbook lives next to this interpreter, whether or not the venv is on PATH.
@@ -90,9 +96,14 @@ def start_playbook(
 
 
 def run_playbook(
-    playbook: str, inventory: Path, extravars: dict[str, Any], private_dir: Path, on_task: Any = None
+    playbook: str,
+    inventory: Path,
+    extravars: dict[str, Any],
+    private_dir: Path,
+    on_task: Any = None,
+    limit: list[str] | None = None,
 ) -> PlaybookRun:
     """Run a playbook to its end."""
-    run = start_playbook(playbook, inventory, extravars, private_dir, on_task)
+    run = start_playbook(playbook, inventory, extravars, private_dir, on_task, limit)
     run.wait()
     return run

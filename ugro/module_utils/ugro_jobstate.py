@@ -34,7 +34,12 @@ METRICS = "metrics.jsonl"
 STATUS = "run.json"
 STOPPED_MARK = "stopped"
 ACTIVE_JOB = "active-job"
+# Written by the launch script: which launch of the run this is (0 first, then one more per relaunch).
+ATTEMPT = "attempt"
+# Each failed rank's cause, one JSON line each (train/failure.py FAILURES).
+FAILURES = "failures.jsonl"
 PROGRESS_KEYS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s")
+RUN_KEYS = ("last_checkpoint", "resumed", "cause")
 
 
 def psutil_missing(host: str, module: str) -> str:
@@ -94,6 +99,31 @@ def last_metrics(run_dir: Path) -> dict[str, Any] | None:
     return None
 
 
+def failures(run_dir: Path, host: str, attempt: int | None) -> list[dict[str, Any]]:
+    """The failure records the ranks of this host wrote during launch ``attempt`` (all when None)."""
+    path = run_dir / "hosts" / host / FAILURES
+    found: list[dict[str, Any]] = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return found
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and (attempt is None or record.get("attempt") == attempt):
+            found.append(record)
+    return found
+
+
+def ranks(run_dir: Path, host: str) -> list[int]:
+    """The ranks this host's workers of the current launch ran (their pid files)."""
+    host_dir = run_dir / "hosts" / host
+    numbers = [p.stem[len("worker-rank") :] for p in host_dir.glob("worker-rank*.pid")]
+    return sorted(int(n) for n in numbers if n.isdigit())
+
+
 def status(run_dir: Path, host: str, main: bool) -> dict[str, Any]:
     """state: running / finished / failed / stopped / lost / absent, exit code, live pids; on the main host
     (the one that keeps the metrics) the last step, loss, tokens/s and ETA, and run.json's state and error."""
@@ -113,7 +143,9 @@ def status(run_dir: Path, host: str, main: bool) -> dict[str, Any]:
         state = "failed"
     else:
         state = "lost"  # no process and no exit code: killed with SIGKILL or the host rebooted
-    result.update(state=state, exit_code=exit_code, pids=pids)
+    attempt = _read_int(host_dir / ATTEMPT)
+    result.update(state=state, exit_code=exit_code, pids=pids, attempt=attempt, ranks=ranks(run_dir, host),
+                  failures=failures(run_dir, host, attempt))  # fmt: skip
     if main:
         last = last_metrics(run_dir)
         if last is not None:
@@ -124,6 +156,7 @@ def status(run_dir: Path, host: str, main: bool) -> dict[str, Any]:
             run = None
         if isinstance(run, dict):
             result.update(run_state=run.get("state"), error=run.get("error"))
+            result.update({k: run[k] for k in RUN_KEYS if run.get(k) is not None})
     return result
 
 

@@ -1,0 +1,1 @@
+../../../ugro/module_utils/ugro_jobstate.py

@@ -1,0 +1,137 @@
+"""Every ending of a rank is recorded with its cause, and a lost peer is noticed in bounded time.
+
+Real torchrun on this machine (2 ranks, gloo); the faults are real signals to real rank processes.
+The recovery policy (which failure is the cause, who is left out) is tested on recorded states.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import REPO, run_env, torchrun_cmd, write_job
+
+from train.config import ConfigError
+from train.failure import NonFiniteError, Stopped, kind_of
+from ugro import recovery
+
+HOST = os.uname().nodename
+
+
+def _start(tmp_path: Path, **overrides: object) -> tuple[subprocess.Popen[str], Path]:
+    job = write_job(tmp_path / "job.yaml", train={"max_steps": 400, "global_batch_size": 4, "log_every": 50},
+                    **overrides)  # type: ignore[arg-type]  # fmt: skip
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(torchrun_cmd(job, run_dir, nproc=2), cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 180
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):  # two steps done
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no step within 180 s"
+        time.sleep(0.2)
+    return proc, run_dir
+
+
+def _records(run_dir: Path) -> list[dict[str, object]]:
+    path = run_dir / "hosts" / HOST / "failures.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def test_a_frozen_peer_is_noticed_within_the_collective_timeout_and_recorded(tmp_path: Path) -> None:
+    proc, run_dir = _start(tmp_path, distributed={"timeout_s": 5})
+    frozen = int((run_dir / "hosts" / HOST / "worker-rank1.pid").read_text())
+    os.kill(frozen, signal.SIGSTOP)  # alive, holding its sockets open, answering nothing: a hung peer
+    began = time.monotonic()
+    try:
+        deadline = began + 90
+        while not any(r["rank"] == 0 for r in _records(run_dir)):
+            assert time.monotonic() < deadline, "rank 0 still waits for its frozen peer after 90 s"
+            time.sleep(0.2)
+        noticed = time.monotonic() - began
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+        try:
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    first = next(r for r in _records(run_dir) if r["rank"] == 0)
+    assert first["kind"] == "collective", first
+    assert first["host"] == HOST and isinstance(first["step"], int) and first["step"] >= 1
+    assert noticed < 60, f"the lost peer was noticed after {noticed:.0f} s (timeout_s 5)"
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["state"] == "failed" and record["cause"]["kind"] == "collective", record
+    assert proc.returncode != 0
+
+
+def test_a_stopped_run_records_stopped_on_every_rank(tmp_path: Path) -> None:
+    proc, run_dir = _start(tmp_path)
+    os.kill(proc.pid, signal.SIGTERM)  # what `make stop` sends torchrun (through the launch script)
+    proc.wait(timeout=120)
+    kinds = {r["rank"]: r["kind"] for r in _records(run_dir)}
+    assert kinds == {0: "stopped", 1: "stopped"}, kinds
+    assert json.loads((run_dir / "run.json").read_text())["state"] == "stopped"
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom"),
+        (MemoryError(), "oom"),
+        (dist.DistBackendError("NCCL communicator was aborted"), "collective"),
+        (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"), "collective"),
+        (RuntimeError("Timed out waiting 5000ms for recv operation to complete"), "collective"),
+        (ConfigError("jobs/x.yaml, line 3: key 'lr' must be > 0"), "config"),
+        (NonFiniteError("step 4: loss=nan"), "non_finite"),
+        (Stopped("SIGTERM received"), "stopped"),
+        (ValueError("something else"), "error"),
+    ],
+)
+def test_each_exception_gets_its_kind(exc: BaseException, kind: str) -> None:
+    assert kind_of(exc) == kind
+
+
+def _status(state: str, failures: list[dict[str, object]] | None = None, ranks: list[int] | None = None) -> dict:
+    return {"state": state, "failures": failures or [], "ranks": ranks or []}
+
+
+def test_the_cause_is_the_first_failure_not_its_consequences() -> None:
+    hosts = ["a", "b", "c"]
+    peer_lost = {"kind": "collective", "message": "Connection closed by peer", "rank": 0, "host": "a", "time": 1.0}
+    oom = {"kind": "oom", "message": "CUDA out of memory", "rank": 2, "host": "c", "time": 2.0}
+    statuses = {"a": _status("failed", [peer_lost], [0]), "b": _status("running"), "c": _status("failed", [oom], [2])}
+    assert recovery.root_cause(statuses, hosts, []) == recovery.Cause("oom", "CUDA out of memory", "c", 2)
+    # A rank that left no record on a failed host is the cause, before its peers' collective errors.
+    statuses = {"a": _status("failed", [peer_lost], [0]), "b": _status("failed", [], [1]), "c": _status("running")}
+    cause = recovery.root_cause(statuses, hosts, [])
+    assert (cause.kind, cause.host, cause.rank) == ("vanished", "b", 1) if cause else False
+    assert recovery.blamed(statuses, hosts, []) == []  # its launcher lives: restarted in place
+    # A host whose every process vanished, and one that stopped answering, are left out of the relaunch.
+    statuses = {"a": _status("running"), "b": _status("lost"), "c": {"state": "unreachable", "error": "timeout"}}
+    assert recovery.root_cause(statuses, hosts, ["c"]).kind == "unreachable"  # type: ignore[union-attr]
+    assert recovery.blamed(statuses, hosts, ["c"]) == ["b", "c"]
+    assert recovery.rendezvous_for(["b", "c"], "a") == "b" and recovery.rendezvous_for(["a", "c"], "a") == "a"
+
+
+def test_one_silent_poll_is_not_a_fault_two_are() -> None:
+    watch = recovery.Watch(["a", "b"])
+    running = {"a": _status("running"), "b": _status("running")}
+    silent = {"a": _status("running"), "b": {"state": "unreachable", "error": "timeout"}}
+    for statuses, verdict in [(running, "running"), (silent, "running"), (running, "running"), (silent, "running"),
+                              (silent, "fault")]:  # fmt: skip
+        watch.note(statuses)
+        assert watch.verdict(statuses) == verdict
+    # `make stop` ends every host: stopped, not a fault, once every host has ended.
+    watch = recovery.Watch(["a", "b"])
+    stopping = {"a": _status("stopped"), "b": _status("running")}
+    watch.note(stopping)
+    assert watch.verdict(stopping) == "running"
+    assert watch.verdict({"a": _status("stopped"), "b": _status("failed")}) == "stopped"

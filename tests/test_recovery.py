@@ -1,0 +1,148 @@
+"""A job survives lost hosts: real faults on the 3-host test cluster, mid-run, and the controller recovers.
+
+One run takes three faults in a row, each once the job has clearly moved on from the last recovery:
+a worker process SIGKILLed on tb3 (the host stays up: restarted in place), every job process on tb2
+SIGKILLed (a host that died: the job goes on without it), then tb1's link cut inside its namespace (the
+rendezvous host, which holds the checkpoints: the job continues on tb2 + tb3 from the controller's copy,
+and tb2 rejoins because it answers again). The run must finish every step, record each restart with its
+host and cause, and end within noise of the same job run without faults. A second job with no restarts
+left ends failed with the cause and leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import PYTHON, REPO, cli, cluster_job, job_processes, load_testbed_module, newest_run, remove_job, run_env
+
+from train.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+HOSTS = ("tb1", "tb2", "tb3")
+EVERY = 5  # the cluster job's checkpoint interval
+WORKER = " -m train.worker "  # a rank's command line (torchrun's own has "--module train.worker")
+
+
+def _host_step(testbed: Any, job_id: str) -> int:
+    """The newest step any host's metrics.jsonl records (read from the hosts' own disks)."""
+    step = 0
+    for host in HOSTS:
+        path = testbed.dir / host / "opt" / "ugro" / "runs" / job_id / "metrics.jsonl"
+        try:
+            step = max(step, int(json.loads(path.read_text().splitlines()[-1])["step"]))
+        except (OSError, ValueError, IndexError, KeyError):
+            continue
+    return step
+
+
+def _wait_for_step(testbed: Any, name: str, step: int, follower: subprocess.Popen[str], timeout_s: float = 300) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert follower.poll() is None, follower.communicate()[0][-4000:]
+        assert time.monotonic() < deadline, f"the job never reached step {step}"
+        runs = sorted((REPO / "runs").glob(f"{name}-*"))
+        if runs and _host_step(testbed, runs[-1].name) >= step:
+            return runs[-1].name
+        time.sleep(0.2)
+
+
+def _follow(job: Path, cluster: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [PYTHON, "-m", "ugro.cli", "train", "--job", str(job), "--inventory", str(cluster), "--poll", "2",
+         "--skip-preflight"],
+        cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+@pytest.fixture()
+def faults_job() -> Iterator[Path]:
+    path = cluster_job("cluster-faults", train={"max_restarts": 3})
+    yield path
+    remove_job(path)
+
+
+@pytest.fixture()
+def doomed_job() -> Iterator[Path]:
+    path = cluster_job("cluster-doomed", train={"max_steps": 200, "max_restarts": 0})
+    yield path
+    remove_job(path)
+
+
+def test_three_faults_in_one_run_and_the_job_finishes_every_step(
+    testbed: Any, cluster: Path, faults_job: Path, unbroken_run: tuple[Path, Any]
+) -> None:
+    tb = load_testbed_module()
+    follower = _follow(faults_job, cluster)
+    try:
+        job_id = _wait_for_step(testbed, "cluster-faults", 7, follower)
+        assert tb.kill_processes(testbed.dir, "tb3", WORKER), "no worker process on tb3"
+        _wait_for_step(testbed, "cluster-faults", 14, follower)
+        assert tb.kill_processes(testbed.dir, "tb2", f"/opt/ugro/runs/{job_id}"), "no job process on tb2"
+        _wait_for_step(testbed, "cluster-faults", 21, follower)
+        tb.set_link(testbed.dir, "tb1", up=False)
+        out, _ = follower.communicate(timeout=600)
+    finally:
+        tb.set_link(testbed.dir, "tb1", up=True)
+        if follower.poll() is None:
+            follower.kill()
+    assert follower.returncode == 0, out[-6000:]
+
+    run_dir = REPO / "runs" / job_id
+    record = json.loads((run_dir / "run.json").read_text())
+    restarts = record["restarts"]
+    assert [(r["cause"]["kind"], r["cause"]["host"]) for r in restarts] == [
+        ("vanished", "tb3"),
+        ("lost", "tb2"),
+        ("unreachable", "tb1"),
+    ], json.dumps(restarts, indent=1)
+    # tb3 stayed in (restarted in place), tb2 was left out once and rejoined, tb1 was left out after its link went.
+    assert [r["hosts_after"] for r in restarts] == [["tb1", "tb2", "tb3"], ["tb1", "tb3"], ["tb2", "tb3"]]
+    assert [r["rendezvous"] for r in restarts] == ["tb1", "tb1", "tb2"]
+    assert all(r["steps_redone"] <= EVERY for r in restarts[:2]), restarts
+    # tb2 and tb3 never held a checkpoint (no replicas): the last relaunch continued from the controller's copy.
+    assert restarts[2]["resumed_from_step"] == restarts[2]["checkpoint_step"] > 0
+    assert record["state"] == "finished" and record["hosts"] == ["tb2", "tb3"]
+    assert "restart 3: unreachable on tb1" in " ".join(out.split())
+
+    rows = read_metrics(run_dir)
+    assert sorted({r["step"] for r in rows}) == list(range(1, 31))  # every step done (once in the final record)
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    unbroken = read_metrics(unbroken_run[0])
+    broken_end, unbroken_end = (sum(r["loss"] for r in x[-5:]) / 5 for x in (rows, unbroken))
+    assert abs(broken_end - unbroken_end) < 0.05 * unbroken_end, (broken_end, unbroken_end)
+
+    # tb1, cut off, gave up on its own (collective timeout); nothing of the job is left anywhere.
+    deadline = time.monotonic() + 90
+    while job_processes(job_id) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not job_processes(job_id), job_processes(job_id)
+
+
+def test_with_no_restarts_left_the_run_fails_with_its_cause_and_nothing_runs(
+    testbed: Any, cluster: Path, doomed_job: Path
+) -> None:
+    tb = load_testbed_module()
+    follower = _follow(doomed_job, cluster)
+    try:
+        job_id = _wait_for_step(testbed, "cluster-doomed", 3, follower)
+        assert tb.kill_processes(testbed.dir, "tb2", WORKER)
+        out, _ = follower.communicate(timeout=300)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    assert follower.returncode == 1, out[-4000:]
+    text = " ".join(out.split())
+    assert "cause: vanished on tb2 rank" in text, out[-3000:]
+    assert "restarts exhausted (0 of train.max_restarts=0)" in text, out[-3000:]
+    record = json.loads((newest_run("cluster-doomed") / "run.json").read_text())
+    assert record["state"] == "failed" and record["cause"]["host"] == "tb2", record
+    assert not job_processes(job_id), job_processes(job_id)
+    status = cli("status", "--inventory", str(cluster), "--job-id", job_id, timeout=120)
+    assert "running" not in status.stdout, status.stdout

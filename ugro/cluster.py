@@ -1,0 +1,53 @@
+"""The cluster an inventory describes, as the controller needs it before a launch: hosts, rendezvous, copying.
+
+Read with ``ansible-inventory --list`` (Ansible's own reading of the file, group_vars and host_vars included),
+so what the controller plans with is what the playbooks will see.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+GROUP = "ugro_cluster"
+
+
+class InventoryError(RuntimeError):
+    """The inventory cannot be read, or has no usable ugro_cluster group; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    hosts: list[str]  # inventory order
+    rendezvous: str  # the main host: it writes the run's checkpoints, metrics and adapter
+    remote: bool  # False where the hosts write into the controller's own checkout (ugro_code_sync: false)
+
+
+def _members(groups: dict[str, dict[str, list[str]]], name: str) -> list[str]:
+    group = groups.get(name, {})
+    found = list(group.get("hosts", []))
+    for child in group.get("children", []):
+        found += [h for h in _members(groups, child) if h not in found]
+    return found
+
+
+def read_cluster(inventory: Path) -> Cluster:
+    binary = Path(sys.executable).parent / "ansible-inventory"
+    out = subprocess.run(
+        [str(binary), "-i", str(inventory), "--list"], capture_output=True, text=True, timeout=120, check=False
+    )
+    if out.returncode != 0:
+        first = (out.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise InventoryError(f"{inventory}: ansible-inventory cannot read it: {first}")
+    data = json.loads(out.stdout)
+    hostvars: dict[str, dict[str, object]] = data.get("_meta", {}).get("hostvars", {})
+    hosts = _members(data, GROUP)
+    if not hosts:
+        raise InventoryError(f"{inventory}: no hosts in group '{GROUP}'; list the cluster under all.children.{GROUP}")
+    chosen = hostvars.get(hosts[0], {}).get("ugro_rendezvous_host")
+    rendezvous = chosen if isinstance(chosen, str) and chosen in hosts else hosts[0]
+    remote = all(hostvars.get(h, {}).get("ugro_code_sync", True) is not False for h in hosts)
+    return Cluster(hosts=hosts, rendezvous=rendezvous, remote=remote)

@@ -1,0 +1,471 @@
+#!/usr/bin/env python3
+"""The node exporter: Prometheus metrics of one host, read at scrape time.
+
+Role ``exporter`` installs this file (with ``ugro_jobstate.py`` beside it) on every host and runs it as a
+service (a systemd unit, or a detached process with a pid file where there is no systemd)::
+
+    python3 ugro_exporter.py serve --listen 10.0.0.11 --port 9840 --host node4070 --runs-dir /opt/ugro/runs
+    python3 ugro_exporter.py status --pid-file /run/ugro-exporter.pid    # exit 0 serving, 3 not
+    python3 ugro_exporter.py stop --pid-file /run/ugro-exporter.pid
+
+What it serves at ``/metrics`` (``FAMILIES`` lists every name; base units, ``_total`` for counters):
+
+- per GPU, through NVML (nvidia-ml-py): utilization, memory used and total, temperature, power, energy
+  and XID errors (NVML's critical-XID events, counted by a thread blocked in ``nvmlEventSetWait``). A host
+  where NVML does not initialize (no driver, no GPU, no ``pynvml``) exports no GPU series at all;
+- the host's CPU utilization since the previous scrape, its CPU count, and memory used and total (psutil);
+- the job this host runs (``runs/active-job``): its state here; on the host that keeps the run (rank 0's
+  ``run.json`` / ``metrics.jsonl`` / ``eval.jsonl``) the job's step, loss, held-out loss, tokens/s, ETA
+  and world size; and per rank of this host whose worker is alive, from the ``hosts/<host>/rank<N>.json``
+  every rank writes after each step (train/metrics.py): step, loss, tokens/s, ready time, share of the
+  global batch, world size, labelled with job, host and rank;
+- the exporter's own process (``process_*``: CPU seconds, memory), so its cost can be watched.
+
+Nothing is sampled between scrapes: a scrape reads NVML, psutil and a few small files and returns.
+Standard library, prometheus_client and psutil (pynvml optional), so it runs with the node's venv or
+with Debian's python3-prometheus-client and python3-psutil.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+if __package__:  # imported as ugro.module_utils.ugro_exporter (the controller's dashboard and the tests)
+    from ugro.module_utils import ugro_jobstate
+else:  # run as a script on a host: role exporter installs ugro_jobstate.py beside this file
+    import ugro_jobstate  # type: ignore[no-redef]
+
+log = logging.getLogger("ugro_exporter")
+
+VERSION = "1"
+DEFAULT_PORT = 9840
+NOT_RUNNING = 3  # exit status of `status` when no exporter serves from the pid file
+
+# Every family the exporter can export: name -> (type, help). The dashboard, the Grafana dashboard's test and
+# the docs read this table; a name not in it is never exported.
+FAMILIES: dict[str, tuple[str, str]] = {
+    "ugro_exporter_info": ("gauge", "The exporter on this host (value 1): version, and whether NVML is usable."),
+    "ugro_exporter_scrape_duration_seconds": ("gauge", "How long the exporter took to gather this scrape."),
+    "ugro_gpu_utilization_ratio": ("gauge", "GPU busy time over NVML's last sample period (0-1)."),
+    "ugro_gpu_memory_used_bytes": ("gauge", "GPU memory in use."),
+    "ugro_gpu_memory_total_bytes": ("gauge", "GPU memory installed."),
+    "ugro_gpu_temperature_celsius": ("gauge", "GPU core temperature."),
+    "ugro_gpu_power_watts": ("gauge", "GPU power draw."),
+    "ugro_gpu_energy_joules_total": ("counter", "GPU energy consumed since the driver was loaded."),
+    "ugro_gpu_xid_errors_total": ("counter", "Critical XID errors NVML reported for the GPU since the exporter began."),
+    "ugro_host_cpu_utilization_ratio": ("gauge", "Share of all CPU cores busy since the previous scrape (0-1)."),
+    "ugro_host_cpus": ("gauge", "Logical CPUs of the host."),
+    "ugro_host_memory_used_bytes": ("gauge", "Host memory in use (total minus available)."),
+    "ugro_host_memory_total_bytes": ("gauge", "Host memory installed."),
+    "ugro_job_state": ("gauge", "The state of the host's current job on this host: 1 for its state, 0 for the others."),
+    "ugro_job_step": ("gauge", "Optimizer steps the job has done (host that keeps the run)."),
+    "ugro_job_total_steps": ("gauge", "Optimizer steps the job will do."),
+    "ugro_job_loss": ("gauge", "Training loss of the last step (mean per label token, over all ranks)."),
+    "ugro_job_eval_loss": ("gauge", "Latest held-out loss (the base model's before step 1, then the fine-tuned)."),
+    "ugro_job_eval_step": ("gauge", "The step the latest held-out loss was measured at."),
+    "ugro_job_tokens_per_second": ("gauge", "Label tokens per second of the whole job since it started."),
+    "ugro_job_eta_seconds": ("gauge", "Estimated seconds until the job's last step."),
+    "ugro_job_world_size": ("gauge", "Ranks of the job."),
+    "ugro_rank_step": ("gauge", "Optimizer steps the rank has done."),
+    "ugro_rank_loss": ("gauge", "Training loss of the rank's last step (the global mean every rank agrees on)."),
+    "ugro_rank_tokens_per_second": ("gauge", "The rank's label tokens per second of its own compute (step before)."),
+    "ugro_rank_ready_seconds": ("gauge", "Seconds from the step's start until the rank's gradients were ready."),
+    "ugro_rank_batch_share_ratio": ("gauge", "The rank's share of the global batch in its last step (0-1)."),
+    "ugro_rank_world_size": ("gauge", "Ranks of the job, as the rank saw it."),
+    "ugro_rank_updated_timestamp_seconds": ("gauge", "When the rank last wrote its figures (Unix time)."),
+}
+JOB_STATES = ("running", "finished", "failed", "stopped", "lost")
+
+
+def _family(name: str, labels: list[str]) -> Any:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    kind, text = FAMILIES[name]
+    if kind == "counter":
+        return CounterMetricFamily(name.removesuffix("_total"), text, labels=labels)
+    return GaugeMetricFamily(name, text, labels=labels)
+
+
+class Gpus:
+    """The host's NVIDIA GPUs through NVML; ``handles`` is empty (and ``reason`` says why) where NVML is unusable.
+
+    ``nvml`` replaces the pynvml module (tests); XID errors are counted by a daemon thread that waits on an
+    NVML event set for ``nvmlEventTypeXidCriticalError`` (GPUs that do not support the events get no XID series).
+    """
+
+    def __init__(self, nvml: Any = None, watch_xid: bool = True) -> None:
+        self.nv = nvml
+        self.handles: list[Any] = []
+        self.reason = ""
+        self.xid: dict[int, int] = {}
+        self._lock = threading.Lock()
+        try:
+            if self.nv is None:
+                import pynvml
+
+                self.nv = pynvml
+            self.nv.nvmlInit()
+            self.handles = [self.nv.nvmlDeviceGetHandleByIndex(i) for i in range(self.nv.nvmlDeviceGetCount())]
+        except Exception as exc:  # ImportError, NVMLError_LibraryNotFound / DriverNotLoaded, OSError: no GPU here
+            self.reason = f"{type(exc).__name__}: {exc}"
+            self.handles = []
+            return
+        if not self.handles:
+            self.reason = "NVML reports no GPU"
+        elif watch_xid:
+            threading.Thread(target=self._watch_xid, name="nvml-xid", daemon=True).start()
+
+    def _watch_xid(self) -> None:
+        nv = self.nv
+        try:
+            events = nv.nvmlEventSetCreate()
+        except Exception as exc:
+            log.warning("NVML events unavailable, no XID counts: %s", exc)
+            return
+        uuids = {}
+        for index, handle in enumerate(self.handles):
+            try:
+                nv.nvmlDeviceRegisterEvents(handle, nv.nvmlEventTypeXidCriticalError, events)
+                uuids[_text(nv.nvmlDeviceGetUUID(handle))] = index
+                with self._lock:
+                    self.xid[index] = 0
+            except Exception as exc:  # NVMLError_NotSupported on some boards
+                log.warning("GPU %d: no XID events (%s)", index, exc)
+        if not uuids:
+            return
+        wait = getattr(nv, "nvmlEventSetWait_v2", None) or nv.nvmlEventSetWait
+        timeout = getattr(nv, "NVMLError_Timeout", ())
+        while True:
+            try:
+                data = wait(events, 60_000)
+            except timeout:
+                continue
+            except Exception as exc:
+                log.warning("NVML event wait failed, XID counting stops: %s", exc)
+                return
+            try:
+                index = uuids.get(_text(nv.nvmlDeviceGetUUID(data.device)), -1)
+            except Exception:
+                index = -1
+            with self._lock:
+                if index in self.xid:
+                    self.xid[index] += 1
+            log.warning("GPU %d: XID %s", index, getattr(data, "eventData", "?"))
+
+    def collect(self, host: str) -> Iterator[Any]:
+        if not self.handles:
+            return
+        nv = self.nv
+        labels = ["host", "gpu", "name", "uuid"]
+        fams = {
+            name: _family(name, labels)
+            for name in FAMILIES
+            if name.startswith("ugro_gpu_") and name != "ugro_gpu_xid_errors_total"
+        }
+        for index, handle in enumerate(self.handles):
+            ident = [host, str(index), _safe(lambda h=handle: _text(nv.nvmlDeviceGetName(h))) or "",
+                     _safe(lambda h=handle: _text(nv.nvmlDeviceGetUUID(h))) or ""]  # fmt: skip
+            util = _safe(lambda h=handle: nv.nvmlDeviceGetUtilizationRates(h).gpu)
+            memory = _safe(lambda h=handle: nv.nvmlDeviceGetMemoryInfo(h))
+            temp = _safe(lambda h=handle: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+            power = _safe(lambda h=handle: nv.nvmlDeviceGetPowerUsage(h))  # milliwatts
+            energy = _safe(lambda h=handle: nv.nvmlDeviceGetTotalEnergyConsumption(h))  # millijoules
+            for name, value in (
+                ("ugro_gpu_utilization_ratio", None if util is None else util / 100),
+                ("ugro_gpu_memory_used_bytes", None if memory is None else memory.used),
+                ("ugro_gpu_memory_total_bytes", None if memory is None else memory.total),
+                ("ugro_gpu_temperature_celsius", temp),
+                ("ugro_gpu_power_watts", None if power is None else power / 1000),
+                ("ugro_gpu_energy_joules_total", None if energy is None else energy / 1000),
+            ):
+                if value is not None:
+                    fams[name].add_metric(ident, float(value))
+            with self._lock:
+                count = self.xid.get(index)
+            if count is not None:
+                fams.setdefault("ugro_gpu_xid_errors_total", _family("ugro_gpu_xid_errors_total", labels))
+                fams["ugro_gpu_xid_errors_total"].add_metric(ident, float(count))
+        yield from (fam for fam in fams.values() if fam.samples)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _safe(read: Any) -> Any:
+    """One NVML reading, or None where the GPU does not support it (NVMLError_NotSupported and friends)."""
+    try:
+        return read()
+    except Exception:
+        return None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _last_line(path: Path) -> dict[str, Any] | None:
+    """The newest complete JSON line of a file, reading only its end."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 4096))
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            data = json.loads(line)
+            if isinstance(data, dict):
+                return data
+    return None
+
+
+class Collector:
+    """prometheus_client custom collector: everything is read when Prometheus (or the dashboard) scrapes."""
+
+    def __init__(self, host: str, runs_dir: Path, gpus: Gpus | None = None) -> None:
+        import psutil
+
+        self.host = host
+        self.runs_dir = runs_dir
+        self.gpus = gpus if gpus is not None else Gpus()
+        self.psutil = psutil
+        self._cpu_lock = threading.Lock()
+        self._cpu_last = psutil.cpu_times()  # the window the first scrape measures starts now
+
+    def describe(self) -> list[Any]:
+        return []  # nothing to check at registration: collect() reads NVML and files, only when scraped
+
+    def collect(self) -> Iterator[Any]:
+        started = time.perf_counter()
+        yield from self._host()
+        yield from self.gpus.collect(self.host)
+        yield from self._job()
+        info = _family("ugro_exporter_info", ["host", "version", "nvml", "gpus"])
+        info.add_metric([self.host, VERSION, "ok" if self.gpus.handles else "unavailable",
+                         str(len(self.gpus.handles))], 1.0)  # fmt: skip
+        yield info
+        took = _family("ugro_exporter_scrape_duration_seconds", ["host"])
+        took.add_metric([self.host], time.perf_counter() - started)
+        yield took
+
+    def _host(self) -> Iterator[Any]:
+        memory = self.psutil.virtual_memory()
+        for name, value in (
+            ("ugro_host_cpu_utilization_ratio", self._cpu_busy()),
+            ("ugro_host_cpus", self.psutil.cpu_count() or 0),
+            ("ugro_host_memory_used_bytes", memory.total - memory.available),
+            ("ugro_host_memory_total_bytes", memory.total),
+        ):
+            fam = _family(name, ["host"])
+            fam.add_metric([self.host], float(value))
+            yield fam
+
+    def _cpu_busy(self) -> float:
+        """Busy share of all cores since the previous scrape, whoever scraped (psutil.cpu_percent keeps its window
+        per thread, and the HTTP server answers every scrape in a new thread)."""
+        now = self.psutil.cpu_times()
+        with self._cpu_lock:
+            last, self._cpu_last = self._cpu_last, now
+
+        def total(t: Any) -> float:  # guest time is already counted in user and nice on Linux
+            return float(sum(t)) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+        def idle(t: Any) -> float:
+            return float(t.idle) + getattr(t, "iowait", 0.0)
+
+        elapsed = total(now) - total(last)
+        return min(1.0, max(0.0, 1.0 - (idle(now) - idle(last)) / elapsed)) if elapsed > 0 else 0.0
+
+    def current_job(self) -> Path | None:
+        """The run directory named by runs/active-job (the last job launched here, running or not)."""
+        try:
+            job = (self.runs_dir / ugro_jobstate.ACTIVE_JOB).read_text().split()[0]
+        except (OSError, IndexError, UnicodeDecodeError):
+            return None
+        run_dir = self.runs_dir / job
+        return run_dir if job and "/" not in job and run_dir.is_dir() else None
+
+    def _job(self) -> Iterator[Any]:
+        run_dir = self.current_job()
+        if run_dir is None:
+            return
+        job = run_dir.name
+        main = (run_dir / ugro_jobstate.STATUS).is_file()
+        state = ugro_jobstate.status(run_dir, self.host, main)
+        fam = _family("ugro_job_state", ["job", "host", "state"])
+        for name in JOB_STATES:
+            fam.add_metric([job, self.host, name], 1.0 if state.get("state") == name else 0.0)
+        yield fam
+        if main:
+            yield from self._job_totals(run_dir)
+        alive = state.get("pids") or {}
+        per_rank = {
+            "ugro_rank_step": "step",
+            "ugro_rank_loss": "loss",
+            "ugro_rank_tokens_per_second": "tokens_per_s",
+            "ugro_rank_ready_seconds": "ready_s",
+            "ugro_rank_batch_share_ratio": "share",
+            "ugro_rank_world_size": "world_size",
+            "ugro_rank_updated_timestamp_seconds": "time",
+        }
+        fams = {name: _family(name, ["job", "host", "rank"]) for name in per_rank}
+        for path in sorted((run_dir / "hosts" / self.host).glob("rank*.json")):
+            rank = path.stem[len("rank") :]
+            record = _read_json(path)
+            if record is None or not rank.isdigit() or f"worker-rank{rank}" not in alive:
+                continue  # a rank of an earlier launch, or one that has ended: its figures are not current
+            for name, key in per_rank.items():
+                if isinstance(record.get(key), int | float):
+                    fams[name].add_metric([job, self.host, rank], float(record[key]))
+        yield from (fam for fam in fams.values() if fam.samples)
+
+    def _job_totals(self, run_dir: Path) -> Iterator[Any]:
+        job = run_dir.name
+        last = ugro_jobstate.last_metrics(run_dir) or {}
+        run = _read_json(run_dir / ugro_jobstate.STATUS) or {}
+        evaluated = _last_line(run_dir / "eval.jsonl") or {}
+        for name, value in (
+            ("ugro_job_step", last.get("step", run.get("step"))),
+            ("ugro_job_total_steps", last.get("total_steps", run.get("total_steps"))),
+            ("ugro_job_loss", last.get("loss")),
+            ("ugro_job_tokens_per_second", last.get("tokens_per_s")),
+            ("ugro_job_eta_seconds", last.get("eta_s")),
+            ("ugro_job_world_size", run.get("world_size")),
+            ("ugro_job_eval_loss", evaluated.get("eval_loss")),
+            ("ugro_job_eval_step", evaluated.get("step") if "eval_loss" in evaluated else None),
+        ):
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                fam = _family(name, ["job"])
+                fam.add_metric([job], float(value))
+                yield fam
+
+
+def registry(collector: Collector) -> Any:
+    """A registry of the collector and the exporter's own process figures (no Python GC/platform noise)."""
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(collector)
+    ProcessCollector(registry=reg)
+    return reg
+
+
+def exposition(collector: Collector) -> str:
+    """One scrape's text, as /metrics serves it."""
+    from prometheus_client import generate_latest
+
+    return str(generate_latest(registry(collector)).decode())
+
+
+# --------------------------------------------------------------------------------------------------
+# The service: serve, and the status / stop the role runs where there is no systemd.
+
+
+def _ours(pid: int, pid_file: Path) -> bool:
+    """The pid is a live exporter serving with this pid file (never another process that reused the pid)."""
+    import psutil
+
+    try:
+        cmdline = psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    return any("ugro_exporter" in arg for arg in cmdline) and "serve" in cmdline and str(pid_file) in cmdline
+
+
+def _pid(pid_file: Path) -> int | None:
+    try:
+        pid = int(pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid if _ours(pid, pid_file) else None
+
+
+def serve(args: argparse.Namespace) -> int:
+    from prometheus_client import start_http_server
+
+    gpus = Gpus()
+    if not gpus.handles:
+        log.info("no GPU series on this host (%s)", gpus.reason)
+    collector = Collector(args.host, Path(args.runs_dir), gpus)
+    start_http_server(args.port, addr=args.listen, registry=registry(collector))
+    log.info("serving %s on http://%s:%d/metrics (runs in %s, %d GPUs)", args.host, args.listen, args.port,
+             args.runs_dir, len(gpus.handles))  # fmt: skip
+    pid_file = Path(args.pid_file) if args.pid_file else None
+    if pid_file is not None:
+        pid_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pid_file.with_name(f".{pid_file.name}.tmp")
+        tmp.write_text(f"{os.getpid()}\n")
+        os.replace(tmp, pid_file)  # written once the port is bound: a pid file means "serving"
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    if pid_file is not None and _read_pid(pid_file) == os.getpid():
+        pid_file.unlink(missing_ok=True)
+    return 0
+
+
+def _read_pid(pid_file: Path) -> int | None:
+    try:
+        return int(pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def status(args: argparse.Namespace) -> int:
+    pid = _pid(Path(args.pid_file))
+    print(json.dumps({"running": pid is not None, "pid": pid}))
+    return 0 if pid is not None else NOT_RUNNING
+
+
+def stop(args: argparse.Namespace) -> int:
+    """SIGTERM the exporter of the pid file, SIGKILL after 10 s; prints whether one was stopped."""
+    pid_file = Path(args.pid_file)
+    pid = _pid(pid_file)
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while _ours(pid, pid_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _ours(pid, pid_file):
+            os.kill(pid, signal.SIGKILL)
+    if _read_pid(pid_file) == pid:
+        pid_file.unlink(missing_ok=True)
+    print(json.dumps({"stopped": pid}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ugro_exporter.py", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_serve = sub.add_parser("serve", help="serve /metrics until SIGTERM")
+    p_serve.add_argument("--listen", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p_serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
+    p_serve.add_argument("--host", default=os.uname().nodename, help="the host's name in the labels (inventory name)")
+    p_serve.add_argument("--runs-dir", default="/opt/ugro/runs", help="the runs/ directory of the host's ugro code")
+    p_serve.add_argument("--pid-file", default="", help="written once serving; removed on exit")
+    for name, text in (("status", "exit 0 when an exporter serves from the pid file"), ("stop", "stop it")):
+        sub.add_parser(name, help=text).add_argument("--pid-file", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s ugro_exporter %(levelname)s %(message)s")
+    return {"serve": serve, "status": status, "stop": stop}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""What went wrong with a launch, and whether and where to relaunch: the controller's recovery policy.
+
+Pure functions over the hosts' job states (ugro/module_utils/ugro_jobstate.py ``status``, one per host, with
+``state`` "unreachable" where the host did not answer): no Ansible, no processes, so every rule is tested
+on its own (tests/test_recovery_policy.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+Statuses = Mapping[str, Mapping[str, Any]]
+
+# A rank's own record of one of these means the relaunch would fail the same way (train/failure.py).
+NOT_RESTARTABLE = frozenset({"config", "non_finite"})
+# Record kinds that are consequences of a failure elsewhere, not causes.
+SECONDARY = ("collective", "stopped")
+# Polls in a row without an answer before a host counts as unreachable (one slow SSH login is not a fault).
+UNREACHABLE_POLLS = 2
+
+
+@dataclass(frozen=True)
+class Cause:
+    kind: str  # a rank's record kind (oom, collective, error, ...), or lost / unreachable / vanished
+    message: str
+    host: str
+    rank: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "message": self.message, "host": self.host, "rank": self.rank}
+
+    def line(self) -> str:
+        where = f"{self.host}" + (f" rank {self.rank}" if self.rank is not None else "")
+        return f"{self.kind} on {where}: {self.message}"
+
+
+@dataclass
+class Watch:
+    """The state of one launch as the controller follows it, poll after poll."""
+
+    hosts: list[str]
+    silent: dict[str, int] = field(default_factory=dict)  # host -> polls in a row without an answer
+
+    def note(self, statuses: Statuses) -> None:
+        for host in self.hosts:
+            answered = statuses.get(host, {}).get("state") not in (None, "unreachable")
+            self.silent[host] = 0 if answered else self.silent.get(host, 0) + 1
+
+    def unreachable(self, polls: int = UNREACHABLE_POLLS) -> list[str]:
+        """Hosts that did not answer the last ``polls`` polls. A fault is declared on two silent polls; once
+        there is one, a host silent on the last poll counts as gone (a cut link hangs its SSH session while
+        the hosts that talk to it fail with collective errors)."""
+        return [h for h in self.hosts if self.silent.get(h, 0) >= polls]
+
+    def verdict(self, statuses: Statuses) -> str:
+        """running / finished / stopped (someone ran `make stop`) / fault (a host or rank failed or is gone)."""
+        states = {h: statuses.get(h, {}).get("state") for h in self.hosts}
+        if any(s == "stopped" for s in states.values()):
+            over = all(s in ("stopped", "finished", "failed", "lost") for s in states.values())
+            return "stopped" if over else "running"
+        if self.unreachable() or any(s in ("failed", "lost", "absent") for s in states.values()):
+            return "fault"
+        if all(s == "finished" for s in states.values()):
+            return "finished"
+        return "running"
+
+
+def _records(statuses: Statuses, hosts: Iterable[str]) -> list[dict[str, Any]]:
+    found = [r for h in hosts for r in statuses.get(h, {}).get("failures") or [] if isinstance(r, dict)]
+    return sorted(found, key=lambda r: float(r.get("time") or 0))
+
+
+def _cause(record: Mapping[str, Any]) -> Cause:
+    return Cause(str(record.get("kind")), str(record.get("message")), str(record.get("host")), record.get("rank"))
+
+
+def root_cause(statuses: Statuses, hosts: list[str], unreachable: Iterable[str]) -> Cause | None:
+    """The first cause, not its consequences: a rank's own failure (OOM, an error) before a host that stopped
+    answering, before a host whose every job process vanished, before a rank that ended without a record,
+    before the collective errors and stops the others saw as a result."""
+    records = _records(statuses, hosts)
+    for record in records:
+        if record.get("kind") not in SECONDARY:
+            return _cause(record)
+    for host in unreachable:
+        error = str(statuses.get(host, {}).get("error") or "no answer").splitlines()[0]
+        return Cause("unreachable", f"the host stopped answering the controller ({error})", host)
+    for host in hosts:
+        if statuses.get(host, {}).get("state") in ("lost", "absent"):
+            return Cause(
+                "lost", "every process of the job on this host vanished (killed, crashed, or the host rebooted)", host
+            )
+    for host in hosts:
+        status = statuses.get(host, {})
+        if status.get("state") != "failed":
+            continue
+        recorded = {r.get("rank") for r in status.get("failures") or []}
+        for rank in status.get("ranks") or []:
+            if rank not in recorded:
+                return Cause(
+                    "vanished",
+                    "the rank ended without recording why: killed by a signal (SIGKILL, the kernel's OOM killer) "
+                    "or crashed in native code; see its log and the host's kernel log",
+                    host,
+                    int(rank),
+                )
+    for kind in SECONDARY:
+        for record in records:
+            if record.get("kind") == kind:
+                return _cause(record)
+    failed = next((h for h in hosts if statuses.get(h, {}).get("state") == "failed"), None)
+    if failed is not None:
+        code = statuses[failed].get("exit_code")
+        return Cause("error", f"torchrun exited with code {code}; see the host's torchrun log", failed)
+    return None
+
+
+def blamed(statuses: Statuses, hosts: list[str], unreachable: Iterable[str]) -> list[str]:
+    """Hosts the next launch leaves out: those that stopped answering and those whose job vanished whole.
+    A host with a crashed rank but a live launcher stays: its rank is restarted in place."""
+    gone = set(unreachable) | {h for h in hosts if statuses.get(h, {}).get("state") in ("lost", "absent")}
+    return [h for h in hosts if h in gone]
+
+
+def rendezvous_for(hosts: list[str], preferred: str) -> str:
+    """The rendezvous (and main) host of a relaunch: the same one while it takes part, else the first left."""
+    return preferred if preferred in hosts else hosts[0]
+
+
+def replicas_for(hosts: list[str], main: str, count: int) -> list[str]:
+    """The hosts besides the main one that keep a copy of every checkpoint (``checkpoint.replicas``)."""
+    return [h for h in hosts if h != main][:count]

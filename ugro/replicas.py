@@ -1,0 +1,123 @@
+"""Checkpoints off the rendezvous host: the controller's verified copy, replicas, and placing one for a relaunch.
+
+While the controller follows a run it fetches every new checkpoint from the main host into its own
+``runs/<id>/checkpoints/`` (every file its sha256 manifest lists, checked here before the copy counts) and,
+with ``checkpoint.replicas: N``, pushes it to N other hosts. Before a relaunch (or ``--resume auto``) it
+finds the newest intact checkpoint wherever one exists -- a host's disk or its own copy -- and gives it to
+the new main host. No shared filesystem.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tarfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ugro.launcher import run_playbook
+from ugro.module_utils import ugro_checkpoints
+
+# The run's own records, which the host that continues a run appends to (train/metrics.py).
+RECORDS = ("metrics.jsonl", "eval.jsonl", "run.json")
+
+
+@dataclass
+class Replicator:
+    inventory: Path
+    run_dir: Path  # the controller's runs/<id>
+    private_dir: Path
+    keep_last: int
+    remote: bool  # False where the hosts write into the controller's own checkout (nothing to copy)
+
+    def _play(self, action: str, hosts: list[str], main: str, **extra: Any) -> Any:
+        extravars = {"ugro_job_id": self.run_dir.name, "ugro_checkpoint_action": action, "ugro_rendezvous_host": main}
+        return run_playbook("checkpoint.yml", self.inventory, extravars | extra, self.private_dir, limit=hosts)
+
+    def local_newest(self) -> dict[str, Any] | None:
+        return ugro_checkpoints.newest_intact(self.run_dir)
+
+    def fetch(self, host: str, name: str) -> str | None:
+        """Copy checkpoint ``name`` (and the run's records) from ``host`` to the controller; None when the copy
+        is intact, else why not."""
+        if not self.remote:
+            return None
+        root = self.run_dir / "checkpoints"
+        final = root / name
+        if final.is_dir() and ugro_checkpoints.problem(final) is None:
+            return None
+        root.mkdir(parents=True, exist_ok=True)
+        tag = f"{name}-{threading.get_ident()}"  # the background copy and a recovery's may overlap
+        archive, unpacked = root / f".incoming-{tag}.tar", root / f".incoming-{tag}"
+        try:
+            run = self._play("fetch", [host], host, ugro_checkpoint_name=name, ugro_checkpoint_dest=str(archive))
+            if not run.ok:
+                return f"{host}: {run.failures.get(host, 'the fetch failed')}"
+            shutil.rmtree(unpacked, ignore_errors=True)
+            with tarfile.open(archive) as tar:
+                tar.extractall(unpacked, filter="data")
+            why = ugro_checkpoints.problem(unpacked / "checkpoints" / name)
+            if why is not None:
+                return f"{host}: the copy of {name} {why}"
+            shutil.rmtree(final, ignore_errors=True)
+            (unpacked / "checkpoints" / name).rename(final)
+            for record in RECORDS:
+                if (unpacked / record).is_file():
+                    os.replace(unpacked / record, self.run_dir / record)
+        finally:
+            archive.unlink(missing_ok=True)
+            shutil.rmtree(unpacked, ignore_errors=True)
+        for old in ugro_checkpoints.listed(self.run_dir)[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        return None
+
+    def push(self, hosts: list[str], main: str, records: bool) -> dict[str, str]:
+        """Copy the controller's newest intact checkpoint to ``hosts`` (with ``records``, also the run's metrics
+        and record, which the host continuing the run appends to); host -> why it failed."""
+        newest = self.local_newest()
+        if not self.remote or newest is None or not hosts:
+            return {}
+        archive = self.run_dir / "checkpoints" / f".push-{newest['name']}.tar"
+        try:
+            with tarfile.open(archive, "w") as tar:
+                tar.add(newest["path"], arcname=f"checkpoints/{newest['name']}")
+                for record in RECORDS if records else ():
+                    if (self.run_dir / record).is_file():
+                        tar.add(self.run_dir / record, arcname=record)
+            run = self._play(
+                "push", hosts, main, ugro_checkpoint_archive=str(archive), ugro_checkpoint_step=newest["step"]
+            )
+        finally:
+            archive.unlink(missing_ok=True)
+        return dict(run.failures)
+
+    def find(self, hosts: list[str], main: str) -> tuple[dict[str, dict[str, Any] | None], dict[str, str]]:
+        """Each host's newest intact checkpoint ({name, step, path} or None), and host -> why it did not answer."""
+        run = self._play("find", hosts, main)
+        key = "train_job_checkpoint"
+        found = {h: facts.get(key) for h, facts in run.facts.items() if key in facts}
+        return found, dict(run.failures)
+
+    def place(self, hosts: list[str], main: str) -> tuple[int | None, dict[str, str]]:
+        """Make sure ``main`` holds the newest intact checkpoint that exists anywhere (hosts or controller).
+        Returns its step (None: there is none) and host -> problem for hosts that could not take part."""
+        found, problems = self.find(hosts, main)
+        ours = self.local_newest()
+        best_host, best = max(
+            ((h, c) for h, c in found.items() if c is not None), key=lambda hc: int(hc[1]["step"]), default=(None, None)
+        )
+        if best is not None and best_host is not None and (ours is None or int(best["step"]) > int(ours["step"])):
+            if best_host == main:
+                return int(best["step"]), problems
+            why = self.fetch(best_host, str(best["name"]))
+            if why is not None:
+                problems[best_host] = why
+            ours = self.local_newest()
+        if ours is None:
+            return None, problems
+        have = found.get(main)
+        if have is None or int(have["step"]) < int(ours["step"]):
+            problems |= self.push([main], main, records=True)
+        return int(ours["step"]), problems

@@ -1,0 +1,259 @@
+"""Run a job to its end across failures: launch, follow, copy checkpoints off the main host, recover, record.
+
+One launch = torchrun on every host of the launch (playbooks/train.yml with a limit). While it runs the
+controller polls every host; each new checkpoint on the main host is fetched into the controller's run
+directory (and pushed to ``checkpoint.replicas`` other hosts). When a host stops answering, its job
+vanishes, or a rank fails, the controller finds the root cause (ugro/recovery.py), stops what is left,
+leaves out the hosts that are gone, places the newest intact checkpoint on the (possibly new) main host
+and launches again, up to ``train.max_restarts`` times and down to ``train.min_hosts`` hosts. Every restart
+goes into the run's record (run.json ``restarts``) with its cause, the hosts before and after, and the
+steps redone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from train.config import JobConfig
+from train.metrics import write_status
+from ugro import recovery, replicas
+from ugro.cluster import Cluster
+from ugro.follow import ENDED, Statuses, follow, local_source, remote_source
+from ugro.launcher import PlaybookRun, run_playbook
+
+
+class LaunchError(RuntimeError):
+    """The first launch failed before the job started (the playbook's failures say where)."""
+
+    def __init__(self, run: PlaybookRun) -> None:
+        super().__init__("launch failed")
+        self.run = run
+
+
+@dataclass
+class Outcome:
+    state: str  # finished / failed / stopped
+    statuses: Statuses
+    hosts: list[str]
+    main: str
+    cause: recovery.Cause | None = None
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Supervisor:
+    job: JobConfig
+    cluster: Cluster
+    inventory: Path
+    run_dir: Path
+    extravars: dict[str, Any]  # ugro_job_id, ugro_job_file, code archive ...
+    console: Console
+    poll_s: float
+    on_task: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.private = self.run_dir / ".control" / "ansible"
+        self.copies = replicas.Replicator(  # its own ansible-runner directory: it runs beside the polls
+            self.inventory, self.run_dir, self.private / "replicas", self.job.checkpoint.keep_last, self.cluster.remote
+        )
+        self.restarts: list[dict[str, Any]] = []
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ugro-checkpoint-copy")
+        self._copying: Future[None] | None = None
+
+    def _copies_settled(self) -> None:
+        """Wait for a checkpoint copy under way (a fault must not race it)."""
+        if self._copying is not None:
+            self._copying.result()
+
+    # -- one launch ---------------------------------------------------------------------------------------
+
+    def _launch(self, attempt: int, hosts: list[str], main: str, resume: bool) -> PlaybookRun:
+        extravars = self.extravars | {
+            "ugro_attempt": attempt,
+            "ugro_rendezvous_host": main,
+            "ugro_resume": "auto" if resume else "none",
+            "ugro_wait": False,
+        }
+        return run_playbook("train.yml", self.inventory, extravars, self.private, on_task=self.on_task, limit=hosts)
+
+    def _source(self, hosts: list[str], main: str) -> Callable[[], Statuses]:
+        if not self.cluster.remote:
+            return local_source(self.run_dir, hosts)
+        return remote_source(self.inventory, self.run_dir.name, self.private, hosts, main)
+
+    def _replicate(self, main: str, status: dict[str, Any], hosts: list[str]) -> None:
+        """In the background (polls go on): fetch the main host's newest checkpoint if the controller lacks it."""
+        name = Path(str(status.get("last_checkpoint") or "")).name
+        ours = self.copies.local_newest()
+        if not name or (ours is not None and ours["name"] >= name):
+            return
+        if self._copying is None or self._copying.done():
+            self._copying = self._copier.submit(self._copy, main, name, hosts)
+
+    def _copy(self, main: str, name: str, hosts: list[str]) -> None:
+        """Fetch checkpoint ``name`` from the main host to the controller, then push it to the replicas."""
+        why = self.copies.fetch(main, name)
+        if why is not None:
+            self.console.print(f"[yellow]checkpoint {name} not copied to the controller yet:[/] {why}", highlight=False)
+            return
+        replica_hosts = recovery.replicas_for(hosts, main, self.job.checkpoint.replicas)
+        for host, problem in self.copies.push(replica_hosts, main, records=False).items():
+            self.console.print(f"[yellow]replica of {name} on {host} failed:[/] {problem}", highlight=False)
+
+    def _follow(self, attempt: int, hosts: list[str], main: str) -> tuple[str, Statuses, recovery.Watch, int]:
+        watch = recovery.Watch(hosts)
+        seen: dict[str, Any] = {"step": 0, "verdict": "running"}
+        source = self._source(hosts, main)
+
+        def until(statuses: Statuses) -> bool:
+            watch.note(statuses)
+            main_status = dict(statuses.get(main, {}))
+            seen["step"] = max(seen["step"], int(main_status.get("step") or 0))
+            resumed = main_status.get("resumed") or {}
+            if self.restarts and "steps_redone" not in self.restarts[-1] and resumed.get("attempt") == attempt:
+                self._close_restart(resumed)
+            if self.cluster.remote and main_status.get("state") == "running":
+                self._replicate(main, main_status, hosts)
+            seen["verdict"] = watch.verdict(statuses)
+            return seen["verdict"] != "running"
+
+        statuses = follow(source, self.console, self.poll_s, until)
+        return str(seen["verdict"]), statuses, watch, int(seen["step"])
+
+    def _close_restart(self, resumed: dict[str, Any]) -> None:
+        """The relaunch reached its first step: how many steps it redoes, and how long recovery took."""
+        record = self.restarts[-1]
+        start = int(resumed.get("from_step") or 0)
+        last = max(int(record.get("last_step_seen") or 0), int(resumed.get("last_step_logged") or 0))
+        record.update(resumed_from_step=start, steps_redone=max(0, last - start))
+        record["recovered_after_s"] = round(time.time() - float(record["time"]), 1)
+
+    # -- the whole run ------------------------------------------------------------------------------------
+
+    def _stop(self, hosts: list[str], main: str) -> dict[str, str]:
+        """Stop the job's processes on ``hosts``; host -> why it could not be stopped (it did not answer)."""
+        if not hosts:
+            return {}
+        # A short grace: ranks blocked in a collective with a lost peer do not act on SIGTERM, and the
+        # checkpoints on disk are complete (written atomically) whatever happens to the ranks now.
+        extravars = {"ugro_job_id": self.run_dir.name, "ugro_rendezvous_host": main, "ugro_stop_grace_s": 5}
+        run = run_playbook("stop.yml", self.inventory, extravars, self.private, limit=hosts)
+        return dict(run.failures)
+
+    def run(self, resume: bool, on_started: Callable[[], None] | None = None) -> Outcome:
+        """Launch, follow and recover until the run finishes, is stopped, or fails for good.
+        Raises LaunchError if the first launch fails (nothing ran); ``on_started`` runs once it started."""
+        hosts, main = list(self.cluster.hosts), self.cluster.rendezvous
+        attempt = 0
+        if resume:
+            self.copies.place(hosts, main)
+        while True:
+            began = time.time()
+            launch = self._launch(attempt, hosts, main, resume or attempt > 0)
+            if self.restarts:
+                self.restarts[-1]["launch_s"] = round(time.time() - began, 1)
+            if not launch.ok:
+                if attempt == 0:
+                    raise LaunchError(launch)
+                # A relaunch that cannot start somewhere: leave those hosts out and try again.
+                host, message = next(iter(launch.failures.items()), (main, "the launch playbook failed"))
+                cause = recovery.Cause("launch", message.splitlines()[0], host)
+                statuses: Statuses = {h: {"state": "unreachable", "error": m} for h, m in launch.failures.items()}
+                gone, last_step, last_checkpoint = list(launch.failures), 0, None
+            else:
+                if attempt == 0 and on_started is not None:
+                    on_started()
+                verdict, statuses, watch, last_step = self._follow(attempt, hosts, main)
+                last_checkpoint = _step_of(statuses.get(main, {}).get("last_checkpoint"))
+                if verdict in ("finished", "stopped"):
+                    self._copies_settled()
+                    return Outcome(verdict, statuses, hosts, main, restarts=self.restarts)
+                unreachable = watch.unreachable(polls=1)
+                cause = recovery.root_cause(statuses, hosts, unreachable) or recovery.Cause(
+                    "error", "a host failed without a recorded cause", hosts[0]
+                )
+                gone = recovery.blamed(statuses, hosts, unreachable)
+            self.console.print(f"[bold red]failure:[/] {cause.line()}", highlight=False)
+            detected = time.time()
+            if main not in gone:  # a copy from a host that is gone would only wait for its SSH timeout
+                self._copies_settled()
+            # Whatever is left of the job stops now (torchrun's survivors would wait for the lost peer): on the
+            # hosts of this launch where it still runs, and on those an earlier fault left out (a host that comes
+            # back may still run the job's old processes).
+            ended = {h for h in hosts if statuses.get(h, {}).get("state") in ENDED and not statuses[h].get("pids")}
+            unanswered = self._stop([h for h in self.cluster.hosts if h not in gone and h not in ended], main)
+            stopped = time.time()
+            problem = self._give_up(cause, attempt)
+            candidates = [h for h in self.cluster.hosts if h not in gone and h not in unanswered]
+            if problem is None and len(candidates) < self.job.train.min_hosts:
+                problem = (
+                    f"only {len(candidates)} host(s) left ({', '.join(candidates) or 'none'}), fewer than "
+                    f"train.min_hosts={self.job.train.min_hosts}"
+                )
+            if problem is not None:
+                self.console.print(f"[bold red]not restarting:[/] {problem}", highlight=False)
+                return Outcome("failed", statuses, hosts, main, cause=cause, restarts=self.restarts)
+            new_main = recovery.rendezvous_for(candidates, self.cluster.rendezvous)
+            # The main host keeps its own checkpoints; a new one gets the newest intact copy from wherever it is.
+            step = last_checkpoint if new_main == main else self.copies.place(candidates, new_main)[0]
+            attempt += 1
+            self.restarts.append({
+                "attempt": attempt,
+                "time": round(detected, 3),
+                "stop_s": round(stopped - detected, 1),
+                "place_checkpoint_s": round(time.time() - stopped, 1),
+                "cause": cause.to_dict(),
+                "hosts_before": hosts,
+                "left_out": [h for h in self.cluster.hosts if h not in candidates],
+                "hosts_after": candidates,
+                "rendezvous": new_main,
+                "checkpoint_step": step,
+                "last_step_seen": last_step,
+            })  # fmt: skip
+            self.console.print(
+                f"[bold yellow]restart {attempt}/{self.job.train.max_restarts}:[/] relaunching on "
+                f"{', '.join(candidates)} (rendezvous {new_main}) from "
+                f"{f'checkpoint step {step}' if step is not None else 'step 0 (no intact checkpoint)'}",
+                highlight=False,
+            )
+            hosts, main = candidates, new_main
+
+    def _give_up(self, cause: recovery.Cause, attempt: int) -> str | None:
+        if cause.kind in recovery.NOT_RESTARTABLE:
+            return f"a {cause.kind} failure would happen again on a relaunch"
+        if attempt >= self.job.train.max_restarts:
+            return f"restarts exhausted ({attempt} of train.max_restarts={self.job.train.max_restarts})"
+        return None
+
+
+def _step_of(checkpoint: object) -> int | None:
+    """The step of a checkpoint path such as .../checkpoints/step-000120."""
+    digits = Path(str(checkpoint or "")).name.removeprefix("step-")
+    return int(digits) if digits.isdigit() else None
+
+
+def record(run_dir: Path, outcome: Outcome) -> None:
+    """The run's final record in the controller's run.json: state, cause, hosts, and every restart."""
+    fields: dict[str, Any] = {"restarts": outcome.restarts, "hosts": outcome.hosts, "rendezvous": outcome.main}
+    if outcome.state != "finished":
+        fields["state"] = outcome.state
+    if outcome.cause is not None:
+        fields |= {"cause": outcome.cause.to_dict(), "error": outcome.cause.line()}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_status(run_dir, **fields)
+
+
+def read_record(run_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
