@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of paced scraping (default 120)")
     parser.add_argument("--burst", type=int, default=200, help="back-to-back scrapes for the per-scrape cost")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the exporter and the stand-in worker are stopped
     result = measure(args.interval, args.duration, args.burst)
     out = REPO / "runs" / "bench" / "exporter.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 # The session's test cluster has a subnet of its own, so `make test` runs beside `make testbed-up`.
-SESSION_SUBNET = "10.213.8.0/24"
+SESSION_SUBNET = os.environ.get("UGRO_TEST_SUBNET", "10.213.8.0/24")  # another: two sessions side by side
 # Set by CI (.ci/run): a test whose prerequisite is missing fails with the reason instead of skipping,
 # so the multi-host tests cannot drop out of a green run unnoticed.
 REQUIRE_ENV = "UGRO_REQUIRE_TESTBED"

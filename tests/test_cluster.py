@@ -32,7 +32,7 @@ def _job(name: str, steps: int) -> Iterator[Path]:
 @pytest.fixture()
 def long_job_file() -> Iterator[Path]:
     """Long enough that `make stop` surely lands mid-run (a step takes ~0.1-0.3 s here)."""
-    yield from _job("cluster-stop-test", steps=80)
+    yield from _job("cluster-stop-test", steps=150)
 
 
 def _latest() -> str:
@@ -69,7 +69,7 @@ def test_stop_mid_run_leaves_no_process_and_resume_continues(cluster: Path, long
             assert follower.poll() is None, follower.stdout.read() if follower.stdout else ""
             assert time.monotonic() < deadline, "the job never reached step 11 while running"
             status = cli("status", "--inventory", str(cluster), timeout=120)
-            if "running" in status.stdout and any(f"{s}/80" in status.stdout for s in range(11, 60)):
+            if "running" in status.stdout and any(f"{s}/150" in status.stdout for s in range(11, 100)):
                 break
             time.sleep(2)
         job_id = newest_run("cluster-stop-test").name
@@ -96,5 +96,5 @@ def test_stop_mid_run_leaves_no_process_and_resume_continues(cluster: Path, long
     main_log = (REPO / "runs" / job_id / "logs" / "tb1-rank0.log").read_text()
     found = re.search(r"resumed from \S+/checkpoints/step-0*(\d+) at step (\d+)", main_log)
     assert found is not None, main_log[-2000:]
-    assert found[1] == found[2] and 5 <= int(found[2]) < 80
-    assert read_metrics(REPO / "runs" / job_id)[-1]["step"] == 80
+    assert found[1] == found[2] and 5 <= int(found[2]) < 150
+    assert read_metrics(REPO / "runs" / job_id)[-1]["step"] == 150
