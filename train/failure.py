@@ -85,8 +85,10 @@ def one_line(exc: BaseException, limit: int = 400) -> str:
     """The exception as one readable line: its type and the first non-empty line of its message."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    if isinstance(exc, ConfigError | NonFiniteError):
+    if isinstance(exc, ConfigError):
         text = " ".join(lines) or text  # the whole message: it names the file, key and fix
+    if isinstance(exc, NonFiniteError):
+        text = "non-finite loss or gradient: " + " ".join(lines)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
