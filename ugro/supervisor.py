@@ -128,6 +128,20 @@ class Supervisor:
         statuses = follow(source, self.console, self.poll_s, until)
         return str(seen["verdict"]), statuses, watch, int(seen["step"])
 
+    def _settle_restart(self, attempt: int, main_status: dict[str, Any]) -> None:
+        """Before the next fault or the end: a restart whose first step no poll saw gets its figures now, from the
+        main host's record if it answers, else estimated from the checkpoint the relaunch was given."""
+        if not self.restarts or "steps_redone" in self.restarts[-1]:
+            return
+        resumed = main_status.get("resumed") or {}
+        if resumed.get("attempt") == attempt:
+            self._close_restart(resumed)
+            return
+        record = self.restarts[-1]
+        start = int(record.get("checkpoint_step") or 0)
+        record.update(resumed_from_step=start, steps_redone=max(0, int(record.get("last_step_seen") or 0) - start),
+                      steps_redone_estimated=True)  # fmt: skip
+
     def _close_restart(self, resumed: dict[str, Any]) -> None:
         """The relaunch reached its first step: how many steps it redoes, and how long recovery took."""
         record = self.restarts[-1]
@@ -173,6 +187,7 @@ class Supervisor:
                     on_started()
                 verdict, statuses, watch, last_step = self._follow(attempt, hosts, main)
                 last_checkpoint = _step_of(statuses.get(main, {}).get("last_checkpoint"))
+                self._settle_restart(attempt, dict(statuses.get(main, {})))
                 if verdict in ("finished", "stopped"):
                     self._copies_settled()
                     return Outcome(verdict, statuses, hosts, main, restarts=self.restarts)
