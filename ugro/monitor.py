@@ -21,6 +21,8 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from ugro.module_utils.ugro_exporter import RANK_FIELDS
+
 REPO = Path(__file__).resolve().parent.parent
 GROUP = "ugro_cluster"
 HISTORY = 240  # loss values kept for the sparklines
@@ -138,14 +140,7 @@ class HostSample:
     names: set[str] = field(default_factory=set)  # every sample name, as exported
 
 
-_RANK_KEYS = {
-    "ugro_rank_step": "step",
-    "ugro_rank_loss": "loss",
-    "ugro_rank_tokens_per_second": "tokens_per_s",
-    "ugro_rank_ready_seconds": "ready_s",
-    "ugro_rank_batch_share_ratio": "share",
-    "ugro_rank_world_size": "world_size",
-}
+_RANK_KEYS = {name: key for name, key in RANK_FIELDS.items() if key != "time"}
 _GPU_KEYS = {
     "ugro_gpu_utilization_ratio": "utilization",
     "ugro_gpu_memory_used_bytes": "memory_used",

@@ -97,6 +97,18 @@ def _family(name: str, labels: list[str]) -> Any:
     return GaugeMetricFamily(name, text, labels=labels)
 
 
+# Per-rank series -> the field of hosts/<host>/rank<N>.json it reports (the dashboard reads them back by this too).
+RANK_FIELDS = {
+    "ugro_rank_step": "step",
+    "ugro_rank_loss": "loss",
+    "ugro_rank_tokens_per_second": "tokens_per_s",
+    "ugro_rank_ready_seconds": "ready_s",
+    "ugro_rank_batch_share_ratio": "share",
+    "ugro_rank_world_size": "world_size",
+    "ugro_rank_updated_timestamp_seconds": "time",
+}
+
+
 class Gpus:
     """The host's NVIDIA GPUs through NVML; ``handles`` is empty (and ``reason`` says why) where NVML is unusable.
 
@@ -315,15 +327,7 @@ class Collector:
         if main:
             yield from self._job_totals(run_dir)
         alive = state.get("pids") or {}
-        per_rank = {
-            "ugro_rank_step": "step",
-            "ugro_rank_loss": "loss",
-            "ugro_rank_tokens_per_second": "tokens_per_s",
-            "ugro_rank_ready_seconds": "ready_s",
-            "ugro_rank_batch_share_ratio": "share",
-            "ugro_rank_world_size": "world_size",
-            "ugro_rank_updated_timestamp_seconds": "time",
-        }
+        per_rank = RANK_FIELDS
         fams = {name: _family(name, ["job", "host", "rank"]) for name in per_rank}
         for path in sorted((run_dir / "hosts" / self.host).glob("rank*.json")):
             rank = path.stem[len("rank") :]
