@@ -29,10 +29,88 @@ def _job(name: str, steps: int) -> Iterator[Path]:
     remove_job(path)
 
 
+# More steps than any machine runs while the test waits on it: the job can only end by `ugro stop`, so the
+# stop always lands mid-run, whatever this machine's speed (a step takes ~0.1-0.3 s here).
+ENDLESS = 1_000_000
+
+
 @pytest.fixture()
 def long_job_file() -> Iterator[Path]:
-    """Long enough that `make stop` surely lands mid-run (a step takes ~0.1-0.3 s here)."""
-    yield from _job("cluster-stop-test", steps=150)
+    yield from _job("cluster-stop-test", steps=ENDLESS)
+
+
+def _running_step(status: str) -> int | None:
+    """The job's step (the main host reports it) once every host's row says running; None before that."""
+    rows = [line for line in status.splitlines() if re.search(r"\btb\d\b", line)]
+    if len(rows) < 3 or not all("running" in line for line in rows):
+        return None
+    steps = [int(m[1]) for line in rows if (m := re.search(rf"(\d+)/{ENDLESS}\b", line))]
+    return max(steps, default=None)
+
+
+def _follow(job_file: Path, cluster: Path, *extra: str) -> subprocess.Popen[str]:
+    argv = [PYTHON, "-m", "ugro.cli", "train", "--job", str(job_file), "--inventory", str(cluster), "--poll", "3"]
+    return subprocess.Popen([*argv, *extra], cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _wait_running(follower: subprocess.Popen[str], cluster: Path, step: int) -> None:
+    """Until every host runs the job at ``step`` or later; fails if the launch ends first."""
+    deadline = time.monotonic() + 600
+    status = ""
+    while True:
+        assert follower.poll() is None, follower.stdout.read() if follower.stdout else ""
+        assert time.monotonic() < deadline, f"the job never reached step {step} on every host:\n{status}"
+        status = cli("status", "--inventory", str(cluster), timeout=120).stdout
+        reached = _running_step(status)
+        if reached is not None and reached >= step:
+            return
+        time.sleep(2)
+
+
+def _stop(follower: subprocess.Popen[str], cluster: Path, job_id: str) -> None:
+    stopped = cli("stop", "--inventory", str(cluster), timeout=200)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert not job_processes(job_id), job_processes(job_id)
+    follower.wait(timeout=120)  # the follower sees every host stopped, collects the logs and ends
+    status = cli("status", "--inventory", str(cluster), timeout=120)
+    assert status.stdout.count("stopped") == 3, status.stdout
+
+
+def test_stop_mid_run_leaves_no_process_and_resume_continues(cluster: Path, long_job_file: Path) -> None:
+    follower = _follow(long_job_file, cluster)
+    try:
+        _wait_running(follower, cluster, 11)
+        job_id = newest_run("cluster-stop-test").name
+        assert len(job_processes(job_id)) >= 6  # 3 launch scripts + 3 torchruns, + workers
+
+        second = cli("train", "--job", str(long_job_file), "--inventory", str(cluster), timeout=200)
+        assert second.returncode == 1
+        for host in ("tb1", "tb2", "tb3"):
+            assert f"{host} already runs job {job_id}" in " ".join(second.stderr.split()), second.stderr
+        _stop(follower, cluster, job_id)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    stopped_at = read_metrics(REPO / "runs" / job_id)[-1]["step"]
+    assert stopped_at >= 11
+
+    resumed = _follow(long_job_file, cluster, "--resume", "auto")
+    try:
+        _wait_running(resumed, cluster, stopped_at + 3)
+        assert _latest() == job_id
+        _stop(resumed, cluster, job_id)
+    finally:
+        if resumed.poll() is None:
+            resumed.kill()
+    main_log = (REPO / "runs" / job_id / "logs" / "tb1-rank0.log").read_text()
+    found = re.search(r"resumed from \S+/checkpoints/step-0*(\d+) at step (\d+)", main_log)
+    assert found is not None, main_log[-2000:]
+    # The second launch went on from the newest checkpoint: the one the stop wrote at the step it landed on
+    # (or, had a rank been killed before writing it, the last periodic one, every 5 steps).
+    assert found[1] == found[2] and int(found[2]) in (stopped_at, stopped_at - stopped_at % 5), (found[0], stopped_at)
+    steps = [r["step"] for r in read_metrics(REPO / "runs" / job_id)]
+    assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= stopped_at + 3, steps
 
 
 def _latest() -> str:
@@ -56,45 +134,3 @@ def test_three_hosts_train_and_the_controller_gets_every_log(unbroken_run: tuple
     assert "step" in (run_dir / "logs" / "tb1-rank0.log").read_text()
     assert testbed.host("tb2").interface == "enp5s0"
     assert not job_processes(run_dir.name)
-
-
-def test_stop_mid_run_leaves_no_process_and_resume_continues(cluster: Path, long_job_file: Path) -> None:
-    follower = subprocess.Popen(
-        [PYTHON, "-m", "ugro.cli", "train", "--job", str(long_job_file), "--inventory", str(cluster), "--poll", "3"],
-        cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert follower.poll() is None, follower.stdout.read() if follower.stdout else ""
-            assert time.monotonic() < deadline, "the job never reached step 11 while running"
-            status = cli("status", "--inventory", str(cluster), timeout=120)
-            if "running" in status.stdout and any(f"{s}/150" in status.stdout for s in range(11, 100)):
-                break
-            time.sleep(2)
-        job_id = newest_run("cluster-stop-test").name
-        assert len(job_processes(job_id)) >= 6  # 3 launch scripts + 3 torchruns, + workers
-
-        second = cli("train", "--job", str(long_job_file), "--inventory", str(cluster), timeout=200)
-        assert second.returncode == 1
-        for host in ("tb1", "tb2", "tb3"):
-            assert f"{host} already runs job {job_id}" in " ".join(second.stderr.split()), second.stderr
-
-        stopped = cli("stop", "--inventory", str(cluster), timeout=200)
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        assert not job_processes(job_id), job_processes(job_id)
-        follower.wait(timeout=60)  # the follower sees every host stopped and ends
-    finally:
-        if follower.poll() is None:
-            follower.kill()
-    status = cli("status", "--inventory", str(cluster), timeout=120)
-    assert status.stdout.count("stopped") == 3, status.stdout
-
-    resumed = cli("train", "--job", str(long_job_file), "--inventory", str(cluster), "--resume", "auto", "--poll", "3")
-    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
-    assert _latest() == job_id
-    main_log = (REPO / "runs" / job_id / "logs" / "tb1-rank0.log").read_text()
-    found = re.search(r"resumed from \S+/checkpoints/step-0*(\d+) at step (\d+)", main_log)
-    assert found is not None, main_log[-2000:]
-    assert found[1] == found[2] and 5 <= int(found[2]) < 150
-    assert read_metrics(REPO / "runs" / job_id)[-1]["step"] == 150
