@@ -12,7 +12,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: export train preflight doctor status logs stop validate test bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery
+.PHONY: export train preflight doctor status logs stop validate test bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -23,6 +23,7 @@ help:
 	@echo "make bench           balanced vs equal vs ideal on 3 emulated unequal ranks; trainer vs a bare loop"
 	@echo "make bench-ddp-init  bytes and time DDP broadcasts at start-up, plain vs ugro, on the test cluster (root)"
 	@echo "make bench-exporter  the node exporter's CPU cost at one scrape every 5 s"
+	@echo "make bench-4bit      the default job in 4-bit QLoRA against the same job unquantized: held-out loss by step"
 	@echo "make testbed-up N=3 / make testbed-down   a test cluster of N hosts on this machine (root)"
 	@echo "make export [JOB_ID=...]   merge the run's adapter into its base model (runs/<job-id>/merged)"
 	@echo "make dashboard [INVENTORY=...]   live view of every node's exporter (GPUs, job, loss, per-rank balance); q quits"
@@ -117,6 +118,11 @@ bench-ddp-init: venv
 # Launch -> first step, and a lost host -> first step on the survivors, on the 3-host test cluster (root).
 bench-recovery: venv
 	$(PY) -m bench.recovery
+
+# The default job with model.quantization 4bit against the same job unquantized (same seed): held-out and
+# training loss side by side. BENCH_ARGS="--variants none-float32,4bit-float32,4bit-bfloat16 --steps 24".
+bench-4bit: venv
+	$(PY) -m bench.quantization $(BENCH_ARGS)
 
 # The node exporter's CPU cost at one scrape every 5 s (a real exporter process, real HTTP scrapes).
 bench-exporter: venv

@@ -22,7 +22,12 @@ MODEL = "models/smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def qlora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Convert the model once (cached), then a short 2-rank 4-bit job of it through torchrun."""
+    """Convert the model once (cached), then a short 2-rank 4-bit job of it through torchrun.
+
+    The default job's recipe (its lr 0.001 and 3 warm-up steps, its seed) on shorter sequences and the
+    attention projections only, for 8 steps. Measured here (README, "4-bit QLoRA"): the held-out loss falls
+    11.8-13.4 % in 8 steps with seeds 1, 2, 3 and 1234; the full default job in 4-bit falls 27.6 % in 24 steps
+    against 24.1 % unquantized (`make bench-4bit`)."""
     basemodel.ensure(REPO / MODEL)
     base = tmp_path_factory.mktemp("qlora")
     job = write_job(
@@ -31,9 +36,9 @@ def qlora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         lora={"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         data={"seq_len": 128},
         eval={"source": "data/sample/eval.jsonl", "every": 100, "samples": 1, "max_new_tokens": 24},
-        optim={"lr": 0.002},
-        schedule={"warmup_steps": 1},
-        train={"max_steps": 8, "global_batch_size": 4, "log_every": 4},
+        optim={"lr": 0.001},
+        schedule={"warmup_steps": 3},
+        train={"max_steps": 8, "global_batch_size": 4, "log_every": 4, "seed": 1234},
         checkpoint={"every": 8, "keep_last": 1},
     )
     run_dir = base / "run"
@@ -49,6 +54,7 @@ def test_4bit_run_learns_and_leaves_an_adapter(qlora_run: Path) -> None:
     evals = read_eval(qlora_run)
     before, after = evals[0], evals[-1]
     assert before["model"] == "base" and after["step"] == 8
+    # The 4-bit base with a trained adapter answers the held-out questions better than the base alone.
     assert after["eval_loss"] < 0.95 * before["eval_loss"], evals
     samples = json.loads((qlora_run / "samples.json").read_text())
     assert samples[0]["before"] and samples[0]["after"] and samples[0]["before"] != samples[0]["after"]
