@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 from conftest import PYTHON, REPO, free_port, run_env, small_job, torchrun, write_job
@@ -65,7 +64,9 @@ def _guard_rank(rank: int, port: int, out: str) -> None:
     except ConfigError as exc:
         message = str(exc)
     Path(out, f"rank{rank}.txt").write_text(message)
-    dist.destroy_process_group()
+    # As a worker ends: wait for every rank, so none tears gloo down under a peer (which can abort it).
+    distributed.wait_for_all("every rank has written its result", 60)
+    distributed.shutdown()
 
 
 def test_a_different_job_on_one_host_fails_every_rank_naming_host_and_keys(tmp_path: Path) -> None:
