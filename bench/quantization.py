@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from bench.bench import _free_port
 from train.metrics import read_eval, read_metrics
 from ugro import basemodel
 
@@ -35,12 +35,6 @@ VARIANTS = {
     "4bit-float32": {"quantization": "4bit", "dtype": "float32"},
     "4bit-bfloat16": {"quantization": "4bit", "dtype": "bfloat16"},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_variant(name: str, steps: int, nproc: int, work: Path) -> tuple[Path, float]:
