@@ -7,12 +7,14 @@ bubblewrap sandbox inside it with its own hostname, PID namespace, /etc (a copy 
 own sshd. The rest of the root filesystem (this repository and its .venv included) is shared and
 writable: a host is a sandbox for tests, not a security boundary.
 
-    python molecule/testbed.py up --hosts 3 [--dir .testbed] [--subnet 10.213.7.0/24]
+    python molecule/testbed.py up --hosts 3 [--dir .testbed] [--subnet 10.213.7.0/24 | auto]
     python molecule/testbed.py down [--dir .testbed]
 
 `up` writes <dir>/inventory.yml (group ugro_cluster), <dir>/ssh_config (`ssh -F <dir>/ssh_config tb1`)
 and <dir>/state.json, the record of every namespace, link and process it made; `down` undoes
-exactly what that record names and removes <dir>. Both need root. From Python:
+exactly what that record names and removes <dir>. Both need root. A testbed left by an interrupted
+run (its processes gone, its bridge and namespaces still there) is taken down by the next `up` that
+wants its subnet. From Python:
 
     from testbed import up, down   # load molecule/testbed.py by path: see tests/test_testbed.py
     bed = up(".testbed", hosts=3)
@@ -32,6 +34,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -320,6 +323,67 @@ def _tool(tool: str) -> str:
     if path is None:
         raise TestbedError(f"{tool} not found (package {TOOLS.get(tool, tool)})")
     return path
+
+
+def _testbed_dirs() -> dict[str, Path]:
+    """The directory of every testbed that has its tmpfs mounted on this machine, by suffix."""
+    found: dict[str, Path] = {}
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        fields, source = left.split(), right.split()
+        if len(fields) > 4 and len(source) > 1 and re.fullmatch(r"ugro-testbed-[0-9a-f]{6}", source[1]):
+            mount_point = fields[4].replace("\\040", " ")
+            found[source[1].rsplit("-", 1)[1]] = Path(mount_point).parent
+    return found
+
+
+def _is_dead(state: dict[str, Any]) -> bool:
+    """A testbed none of whose recorded processes runs any more: its hosts are gone, only its devices are left.
+
+    One still being brought up (incomplete, written in the last minutes) is never dead.
+    """
+    if any(_is_ours(proc) for proc in state.get("processes", [])):
+        return False
+    age_s = time.time() - (Path(state["dir"]) / STATE_FILE).stat().st_mtime
+    return bool(state.get("complete")) or age_s > 600
+
+
+def reclaim_dead(net: ipaddress.IPv4Network) -> list[Path]:
+    """Take down every dead testbed whose bridge holds an address in `net` (left by an interrupted run).
+
+    A testbed is found by its tmpfs mount and taken down from its own state file, like `down` would;
+    one with a process still running is left alone.
+    """
+    dirs = _testbed_dirs()
+    addrs = json.loads(_run("ip", "-j", "-4", "addr", "show").stdout or "[]")
+    reclaimed = []
+    for link in addrs:
+        name = str(link.get("ifname", ""))
+        overlaps = any(
+            ipaddress.IPv4Interface(f"{info['local']}/{info['prefixlen']}").network.overlaps(net)
+            for info in link.get("addr_info", [])
+        )
+        directory = dirs.get(name.removeprefix("ugbr-")) if name.startswith("ugbr-") else None
+        state = _read_state(directory) if overlaps and directory else None
+        if state is None or state.get("bridge") != name or not _is_dead(state):
+            continue
+        print(f"testbed: taking down the dead testbed in {directory} ({state['subnet']}, left by an "
+              "interrupted run: none of its processes runs)", file=sys.stderr)  # fmt: skip
+        down(directory)
+        reclaimed.append(directory)
+    return reclaimed
+
+
+def free_subnet(first: int = 100, last: int = 199) -> str:
+    """The first 10.213.N.0/24 (N in first..last) that neither it nor its outside network overlaps anything here."""
+    for octet in range(first, last + 1):
+        net = ipaddress.IPv4Network(f"10.213.{octet}.0/24")
+        with contextlib.suppress(TestbedError):
+            reclaim_dead(net)
+            _check_subnet_free(net)
+            _check_subnet_free(_outside_network(net))
+            return str(net)
+    raise TestbedError(f"no free subnet in 10.213.{first}.0/24..10.213.{last}.0/24: `ip -br addr` shows who holds them")
 
 
 def _check_subnet_free(net: ipaddress.IPv4Network) -> None:
@@ -747,6 +811,9 @@ def up(
     ifnames = [name for name in ifnames if name]
     if not ifnames or any(len(n) > 15 or n == "lo" or "/" in n or " " in n for n in ifnames):
         raise TestbedError(f"bad interface names {ifnames!r}: 1 to 15 characters each, not lo")
+    if subnet == "auto":
+        ensure_tools(install)
+        subnet = free_subnet()
     try:
         net = ipaddress.IPv4Network(subnet, strict=False)
     except ValueError as exc:
@@ -760,10 +827,12 @@ def up(
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise TestbedError(f"{directory} exists and is not an empty directory: `down` would remove it whole")
     ensure_tools(install)
-    _check_subnet_free(net)
     outside = _outside_network(net)
+    reclaim_dead(net)
+    _check_subnet_free(net)
     base = None
     if rootfs:
+        reclaim_dead(outside)
         _check_subnet_free(outside)
         try:
             base = _sibling("rootfs").ensure_base()
@@ -1016,7 +1085,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_up = sub.add_parser("up", help="bring the test hosts up")
     p_up.add_argument("--hosts", type=int, default=3, help="number of hosts tb1..tbN (default 3)")
     p_up.add_argument("--dir", default=DEFAULT_DIR, help=f"testbed directory (default {DEFAULT_DIR})")
-    p_up.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"private IPv4 subnet (default {DEFAULT_SUBNET})")
+    p_up.add_argument("--subnet", default=DEFAULT_SUBNET,
+                      help=f"private IPv4 subnet, or auto: the first free 10.213.N.0/24 from N=100 "
+                      f"(default {DEFAULT_SUBNET})")  # fmt: skip
     p_up.add_argument("--ifnames", default=",".join(DEFAULT_IFNAMES),
                       help="interface names the hosts get, in rotation (default %(default)s)")  # fmt: skip
     p_up.add_argument("--no-install", action="store_true", help="never apt-get install missing packages")

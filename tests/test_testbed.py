@@ -5,9 +5,12 @@ Needs root and `ip netns`; `up` apt-installs bubblewrap/openssh when they are mi
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ipaddress
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +142,23 @@ def test_up_refuses_a_subnet_in_use(testbed: Any, tmp_path: Path) -> None:
     with pytest.raises(tb.TestbedError, match="overlaps"):
         tb.up(tmp_path / "clash", hosts=1, subnet=testbed.subnet)
     assert not (tmp_path / "clash").exists()
+
+
+def test_up_takes_down_a_testbed_an_interrupted_run_left(tmp_path: Path) -> None:
+    """A run killed mid-test (Ctrl-C, a session's end) leaves its bridge on the subnet: the next `up` reclaims it."""
+    old = tb.up(tmp_path / "old", hosts=1, subnet=SCRATCH_SUBNET)
+    old_state = yaml.safe_load((old.dir / "state.json").read_text())
+    for proc in old_state["processes"]:  # what being killed does: every process it started is gone
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc["pid"], signal.SIGKILL)
+    assert tb.reclaim_dead(ipaddress.IPv4Network("10.213.250.0/24")) == []  # only what overlaps the subnet asked for
+    new = tb.up(tmp_path / "new", hosts=1, subnet=SCRATCH_SUBNET)
+    try:
+        assert leftovers(old_state) == []
+        assert not old.dir.exists()
+        assert ansible(new, "tb1", "hostname") == {"tb1": ("CHANGED", "tb1")}
+    finally:
+        tb.down(new.dir)
 
 
 def test_down_removes_every_namespace_link_and_process(tmp_path: Path) -> None:
