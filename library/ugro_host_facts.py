@@ -11,8 +11,9 @@ key                subset     what
 host, hostname     always     O(host) (the inventory name) and the host's own hostname
 interfaces         network    interface -> its IPv4 addresses (psutil.net_if_addrs), lo included
 cluster            network    {address, interface, prefix, subnet, why}: who holds O(cluster_address)
-gpu                gpu        {gpus: [{index, name, memory_mib, memory_bytes}], count, driver, smi,
-                              why, pci_devices}: nvidia-smi --query-gpu, the only GPU detection
+gpu                gpu        {gpus: [{index, name, memory_mib, memory_bytes, compute_cap}], count,
+                              driver, smi, why, pci_devices}: nvidia-smi --query-gpu, the only GPU
+                              detection; compute_cap "8.6" (null from an nvidia-smi without the field)
 python             versions   {executable, exists, version, why}: the job's Python (O(python))
 versions           versions   python, torch, cuda runtime (torch's CUDA), nccl, transformers, peft,
                               unsloth: from that Python's site-packages metadata, torch not imported
@@ -40,8 +41,8 @@ module: ugro_host_facts
 short_description: Gather the host facts every ugro role and check reads
 description:
   - Returns C(ansible_facts.ugro_host) with the host's cluster interface, IPv4 addresses, NVIDIA GPUs
-    (name, memory, driver), the job Python's package versions, the code tree hash, free disk, memory,
-    ephemeral port range, and the state of a job (its recorded processes, alive or not).
+    (name, memory, compute capability, driver), the job Python's package versions, the code tree hash, free
+    disk, memory, ephemeral port range, and the state of a job (its recorded processes, alive or not).
   - The one place ugro detects GPUs (C(nvidia-smi --query-gpu)) and the interface holding the cluster
     address (psutil); where there is no GPU, C(gpu.why) says why (no nvidia-smi, its error, hung).
   - Package versions are read from the metadata of the job Python's site-packages without importing
@@ -143,14 +144,15 @@ ansible_facts:
         interfaces: {lo: [127.0.0.1], enp5s0: [192.168.1.12]}
         cluster: {address: 192.168.1.12, interface: enp5s0, prefix: 24, subnet: 192.168.1.0/24, why: null}
         gpu:
-          gpus: [{index: 0, name: NVIDIA GeForce RTX 4070, memory_mib: 8188, memory_bytes: 8585740288}]
+          gpus: [{index: 0, name: NVIDIA GeForce RTX 4070, memory_mib: 8188, memory_bytes: 8585740288,
+                  compute_cap: "8.9"}]
           count: 1
-          driver: "570.172.08"
+          driver: "580.173.02"
           smi: ok
           why: null
           pci_devices: ["0000:01:00.0"]
-        versions: {python: 3.11.7, torch: 2.9.0, cuda runtime: "12.8", nccl: 2.27.3, transformers: 4.57.1,
-                   peft: 0.17.1, unsloth: null}
+        versions: {python: 3.12.3, torch: 2.13.0, cuda runtime: "13.0", nccl: 2.29.7, transformers: 5.17.0,
+                   peft: 0.21.2, unsloth: 2026.10.1}
         job: {job: default-20261121-190000, host: node4070, state: running, exit_code: null,
               pids: {launcher: 4242, worker-rank1: 4300}, attempt: 0, ranks: [1], failures: []}
 """
@@ -236,9 +238,11 @@ def gpu(nvidia_smi: str | None, timeout_s: float) -> dict[str, Any]:
     smi = shutil.which(nvidia_smi or "nvidia-smi", path=SMI_PATH)
     if smi is None:
         return {**result, "smi": "missing", "why": f"no nvidia-smi{f' at {nvidia_smi}' if nvidia_smi else ''}"}
-    query = [smi, "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader,nounits"]
+    fields = "index,name,memory.total,driver_version"
     try:
-        out = subprocess.run(query, capture_output=True, text=True, timeout=timeout_s, check=False)
+        out = _smi_query(smi, fields + ",compute_cap", timeout_s)
+        if out.returncode != 0 and "compute_cap" in out.stderr + out.stdout:  # a driver older than the field
+            out = _smi_query(smi, fields, timeout_s)
     except subprocess.TimeoutExpired:
         return {**result, "smi": "hung", "why": f"nvidia-smi hung for {timeout_s:g} s"}
     except OSError as exc:
@@ -250,15 +254,23 @@ def gpu(nvidia_smi: str | None, timeout_s: float) -> dict[str, Any]:
         return {**result, "smi": "failed", "why": f"nvidia-smi failed (rc {out.returncode}): {said or 'no output'}"}
     gpus = []
     for row in csv.reader(out.stdout.splitlines(), skipinitialspace=True):
-        if len(row) != 4 or not row[0].strip().isdigit():
+        if len(row) not in (4, 5) or not row[0].strip().isdigit():
             continue
-        index, name, memory, driver = (part.strip() for part in row)
+        index, name, memory, driver, *rest = (part.strip() for part in row)
         mib = int(float(memory)) if re.fullmatch(r"[0-9.]+", memory) else 0
-        gpus.append({"index": int(index), "name": name, "memory_mib": mib, "memory_bytes": mib << 20})
+        cap = rest[0] if rest and re.fullmatch(r"[0-9]+\.[0-9]+", rest[0]) else None
+        gpus.append(
+            {"index": int(index), "name": name, "memory_mib": mib, "memory_bytes": mib << 20, "compute_cap": cap}
+        )
         result["driver"] = driver
     if not gpus:
         return {**result, "smi": "no devices", "why": f"nvidia-smi lists no GPU ({said or 'no output'})"}
     return {**result, "gpus": gpus, "count": len(gpus), "smi": "ok", "why": None}
+
+
+def _smi_query(smi: str, fields: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    query = [smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+    return subprocess.run(query, capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
 def _torch_cuda(paths: list[str]) -> str | None:

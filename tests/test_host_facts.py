@@ -91,14 +91,32 @@ def test_a_hung_nvidia_smi_is_reported_as_hung(tmp_path: Path) -> None:
     assert gpu["why"] == "nvidia-smi hung for 1 s"
 
 
-def test_gpus_come_with_name_memory_and_driver(tmp_path: Path) -> None:
-    rows = "0, NVIDIA GeForce RTX 5070 Ti, 12227, 570.172.08\n1, NVIDIA GeForce RTX 3070 Ti, 8192, 570.172.08"
-    gpu = _facts(gather_subset=["gpu"], nvidia_smi=_fake_smi(tmp_path, f"printf '{rows}\\n'"))["gpu"]
-    assert gpu["smi"] == "ok" and gpu["why"] is None and gpu["driver"] == "570.172.08"
+def test_gpus_come_with_name_memory_compute_capability_and_driver(tmp_path: Path) -> None:
+    rows = (
+        "0, NVIDIA GeForce RTX 5070 Ti, 12227, 580.173.02, 12.0\n1, NVIDIA GeForce RTX 3070 Ti, 8192, 580.173.02, 8.6"
+    )
+    smi = _fake_smi(tmp_path, f"echo \"$*\" >> {tmp_path}/asked; printf '{rows}\\n'")
+    gpu = _facts(gather_subset=["gpu"], nvidia_smi=smi)["gpu"]
+    assert gpu["smi"] == "ok" and gpu["why"] is None and gpu["driver"] == "580.173.02"
     assert gpu["gpus"] == [
-        {"index": 0, "name": "NVIDIA GeForce RTX 5070 Ti", "memory_mib": 12227, "memory_bytes": 12227 << 20},
-        {"index": 1, "name": "NVIDIA GeForce RTX 3070 Ti", "memory_mib": 8192, "memory_bytes": 8192 << 20},
-    ]
+        {"index": 0, "name": "NVIDIA GeForce RTX 5070 Ti", "memory_mib": 12227, "memory_bytes": 12227 << 20,
+         "compute_cap": "12.0"},
+        {"index": 1, "name": "NVIDIA GeForce RTX 3070 Ti", "memory_mib": 8192, "memory_bytes": 8192 << 20,
+         "compute_cap": "8.6"},
+    ]  # fmt: skip
+    asked = (tmp_path / "asked").read_text()
+    assert asked == "--query-gpu=index,name,memory.total,driver_version,compute_cap --format=csv,noheader,nounits\n"
+
+
+def test_an_nvidia_smi_without_compute_cap_still_lists_the_gpus(tmp_path: Path) -> None:
+    """Drivers older than the compute_cap field refuse the whole query: the module asks again without it."""
+    body = (
+        'case "$1" in *compute_cap*) echo \'Field "compute_cap" is not a valid field to query.\' >&2; exit 2 ;; esac\n'
+        "printf '0, NVIDIA GeForce GTX 1080, 8192, 470.256.02\\n'"
+    )
+    gpu = _facts(gather_subset=["gpu"], nvidia_smi=_fake_smi(tmp_path, body))["gpu"]
+    assert gpu["smi"] == "ok" and gpu["driver"] == "470.256.02", gpu
+    assert [(g["name"], g["compute_cap"]) for g in gpu["gpus"]] == [("NVIDIA GeForce GTX 1080", None)]
 
 
 def test_versions_are_the_job_pythons_without_importing_torch() -> None:
