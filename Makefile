@@ -32,16 +32,24 @@ help:
 	@echo "make export-slurm [JOB=...] [NODES=2] [RESUME=auto] [SLURM_ARGS=...]   an sbatch script for the job (runs/<job-id>/slurm/)"
 	@echo "make export-k8s [JOB=...] [NODES=2|gpu_12gb=1,gpu_8gb=2] [K8S_ARGS=...]   a Kubernetes manifest: indexed Jobs + headless Service"
 	@echo "make lint            ansible-lint (production profile) and ruff"
-	@echo "make lock            regenerate the locks by role in requirements/ (node, gpu, controller, dev) from their .in files"
+	@echo "make lock            regenerate requirements/locks/py3.X/{node,gpu,controller}.txt from requirements/*.in (pinned uv, registry only)"
 
-# The controller's (and developer's) virtual environment: the node, controller and dev locks installed
-# together, once; a changed lock reinstalls. Nodes get node.lock (+ gpu.lock) from role python_env.
-LOCKS := requirements/node.lock requirements/controller.lock requirements/dev.lock
+# The controller's (and developer's) virtual environment: exactly the node and controller locks of this
+# Python (requirements/locks/py3.X/), synced by the pinned uv from the registry alone (--no-config): the
+# same torch every node gets (the CUDA build on Linux x86-64), never this machine's pip configuration.
+# --reinstall: a torch 2.13.0+cpu already there satisfies torch==2.13.0; only the registry's wheel (its hash) may stay.
+PYVER   := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+LOCKDIR := requirements/locks/py$(PYVER)
+LOCKS   := $(LOCKDIR)/node.txt $(LOCKDIR)/controller.txt
 
-$(VENV)/.installed: $(LOCKS) pyproject.toml
+$(VENV)/.installed: $(wildcard $(LOCKS)) requirements/locks/uv.txt pyproject.toml
+	@test -f $(LOCKDIR)/node.txt || { echo "make venv: $(PYTHON) is Python $(or $(PYVER),?), which has no lock \
+	(requirements/locks/py3.11, py3.12, py3.13): run make with PYTHON=python3.12, say"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet $(addprefix -r ,$(LOCKS))
-	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(VENV)/bin/pip --isolated install --quiet --disable-pip-version-check \
+		--no-deps --require-hashes -r requirements/locks/uv.txt
+	$(VENV)/bin/uv pip sync --no-config --require-hashes --reinstall --python $(PY) $(LOCKS)
+	$(VENV)/bin/uv pip install --no-config --python $(PY) --no-deps --no-build-isolation -e .
 	touch $@
 
 venv: $(VENV)/.installed
@@ -134,10 +142,10 @@ testbed-up: venv
 testbed-down:
 	$(PY) molecule/testbed.py down --dir .testbed
 
-# Every lock from its .in with pip's resolver (dry runs, nothing installed; ~4 min): node + gpu
-# together for a Linux x86-64 GPU host, then node for this machine, controller and dev on top.
-lock:
-	$(PYTHON) -m ugro.locks
+# Every lock from its .in, for every Python a node may run (requirements/locks/py3.X/), with the pinned uv
+# from the registry alone (~1 min, mostly the index's answers).
+lock: venv
+	$(PY) -m ugro.locks
 
 clean:
 	rm -rf runs .pytest_cache

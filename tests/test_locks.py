@@ -1,115 +1,108 @@
-"""The locks by role (requirements/*.lock) install together, checked with pip's real resolver.
+"""The locks (requirements/locks/py3.X/*.txt) are what a user's host really installs.
 
-Dry runs only (`pip install --dry-run --ignore-installed --report`, dependencies resolved, nothing
-installed), through pip's configured index: node.lock + gpu.lock as a Linux x86-64 GPU host of the
-locks' Python installs them (binary wheels only), and node + controller + dev as `make venv`
-installs them on this machine. Each must succeed and install exactly the pinned versions: a lock
-that conflicts with another, or misses a package some pin needs, fails here.
+Every check resolves with the pinned uv and `--no-config`, from the registry alone, as a Linux
+x86-64 host of each supported Python would: this machine's pip configuration (its local CPU-only
+torch wheel, which declares no dependencies) cannot make a lock look complete. A lock that misses a
+package some pin needs (torch's CUDA libraries, say), pins a version that conflicts with another,
+or records a hash the registry does not serve, fails here.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import os
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-REQUIREMENTS = Path(__file__).resolve().parent.parent / "requirements"
-ROLES = ("node", "gpu", "controller", "dev")
-# pip's own resolution can take a while on a cold cache; a hung index fails the test, not CI.
-RESOLVE_TIMEOUT = 600
+from ugro import locks
+
+ROLES = ("node", "gpu", "controller")
+# torch 2.13.0 for Linux x86-64 is the CUDA 13.0 build: these are among what it needs to import.
+TORCH_NEEDS = ("triton", "nvidia-cudnn-cu13", "nvidia-nccl-cu13", "nvidia-cuda-runtime", "nvidia-cublas")
 
 
-def _lock_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ugro_lock", REQUIREMENTS.parent / "ugro" / "locks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _lock(python: str, role: str) -> Path:
+    return locks.LOCKS / f"py{python}" / f"{role}.txt"
 
 
-lock = _lock_module()
+def _hashes(pin: locks.Pin) -> set[str]:
+    return set(re.findall(r"--hash=(sha256:[0-9a-f]{64})", pin.text))
 
 
-def _pins(role: str) -> dict[str, tuple[str, str]]:
-    return lock.read_lock(REQUIREMENTS / f"{role}.lock")
+def test_every_python_has_every_role_and_each_pin_has_its_hashes() -> None:
+    for python in locks.PYTHONS:
+        seen: dict[str, str] = {}
+        for role in ROLES:
+            path = _lock(python, role)
+            assert path.is_file(), f"{path} is missing: run `make lock`"
+            header = path.read_text().splitlines()[0]
+            assert f"for CPython {python} on Linux x86-64" in header, header
+            for name, pin in locks.read(path).items():
+                assert re.fullmatch(r"[0-9][^\s;+]*", pin.version), f"{path}: {pin.text.splitlines()[0]}"
+                assert _hashes(pin), f"{path}: {name} has no hash"
+                assert name not in seen, f"{name} is in both {seen[name]}.txt and {role}.txt of Python {python}"
+                seen[name] = role
 
 
-def _lock_python() -> str:
-    """The Python version in node.lock's header ("... on Python 3.11 ...")."""
-    match = re.search(r"on Python (\d+\.\d+)", (REQUIREMENTS / "node.lock").read_text().splitlines()[0])
-    assert match, "node.lock's first line names the Python version it was made on"
-    return match.group(1)
-
-
-def _args(*roles: str) -> list[str]:
-    return [arg for role in roles for arg in ("-r", str(REQUIREMENTS / f"{role}.lock"))]
-
-
-def _resolve(args: list[str], **kwargs: object) -> dict[str, tuple[str, str]]:
-    try:
-        return lock.resolve(args, timeout=RESOLVE_TIMEOUT, **kwargs)
-    except subprocess.CalledProcessError as exc:
-        pytest.fail(f"pip could not resolve {' '.join(args)}:\n{exc.stderr[-3000:]}")
-
-
-def _versions(pins: dict[str, tuple[str, str]]) -> dict[str, str]:
-    return {name: version for name, (_, version) in pins.items()}
-
-
-def test_every_lock_pins_each_package_once_and_no_package_twice() -> None:
-    seen: dict[str, str] = {}
+def test_every_python_gets_the_same_versions() -> None:
+    first, *others = locks.PYTHONS
     for role in ROLES:
-        lines = [line for line in (REQUIREMENTS / f"{role}.lock").read_text().splitlines() if line.strip()]
-        assert lines[0].startswith(f"# Generated from requirements/{role}.in by 'make lock' on Python ")
-        for line in lines:
-            if not line.startswith("#"):
-                assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[0-9][^\s;+]*", line), f"{role}.lock: {line}"
-        for name in _pins(role):
-            assert name not in seen, f"{name} is in both {seen[name]}.lock and {role}.lock"
-            seen[name] = role
+        reference = {n: p.version for n, p in locks.read(_lock(first, role)).items()}
+        for python in others:
+            versions = {n: p.version for n, p in locks.read(_lock(python, role)).items()}
+            assert versions == reference, f"{role}.txt of Python {python} differs from Python {first}'s"
 
 
-def test_node_lock_holds_no_ansible_lint_or_test_tool() -> None:
-    node = _pins("node")
-    tools = [name for name in node if lock.NOT_ON_NODES.match(name)]
-    assert tools == [], f"node.lock installs {tools} on every node: they belong to controller.in or dev.in"
-    for name in ("ansible-core", "ansible-runner", "ansible-lint", "molecule", "pytest", "ruff", "mypy"):
-        assert name not in node
-    # 4-bit QLoRA runs on CPU nodes too, so bitsandbytes is a node package, not a GPU one.
-    assert node["bitsandbytes"][1] == "0.50.2"
-    assert node["torch"][1] == "2.13.0"
+def test_node_lock_holds_torch_with_its_cuda_libraries_and_no_controller_tool() -> None:
+    node = locks.read(_lock("3.12", "node"))
+    assert node["torch"].version == "2.13.0"
+    assert node["bitsandbytes"].version == "0.50.2"  # 4-bit QLoRA runs on CPU nodes too
+    assert [name for name in TORCH_NEEDS if name not in node] == []
+    tools = [name for name in node if locks.NOT_ON_NODES.match(name)]
+    assert tools == [], f"node.txt installs {tools} on every node: they belong to controller.in or dev.in"
+    gpu = locks.read(_lock("3.12", "gpu"))
+    assert gpu["unsloth"].version == "2026.10.1"
+    assert "xformers" not in gpu and locks.omitted(_lock("3.12", "gpu")) == ["xformers"]
 
 
-def test_node_lock_pins_the_uv_that_syncs_every_node() -> None:
-    """Role python_env runs the uv that node.lock pins (unpacked from its wheel); its Molecule scenario the same one."""
-    uv = _pins("node")["uv"][1]
-    assert re.fullmatch(r"\d+\.\d+\.\d+", uv), uv
-    scenario = lock.read_lock(REQUIREMENTS.parent / "molecule" / "python_env" / "node.lock")
-    assert scenario["uv"][1] == uv, "molecule/python_env/node.lock must pin the uv of requirements/node.lock"
+def test_the_uv_every_node_syncs_with_is_the_one_make_venv_bootstraps() -> None:
+    uv = locks.read(_lock("3.12", "node"))["uv"]
+    assert locks.read(locks.LOCKS / "uv.txt")["uv"] == uv
+    scenario = (locks.REQUIREMENTS.parent / "molecule" / "python_env" / "locks" / "py3.11" / "node.txt").read_text()
+    assert f"uv=={uv.version}" in scenario, "molecule/python_env/locks/py3.11/node.txt must pin the uv of the node lock"
+
+
+def _resolve(python: str, role: str) -> tuple[dict[str, locks.Pin], dict[str, locks.Pin]]:
+    """(what the registry resolves from the lock files' own pins, what they lock) for one host's set."""
+    files = [_lock(python, "node")] + ([_lock(python, role)] if role != "node" else [])
+    locked = {name: pin for path in files for name, pin in locks.read(path).items()}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "PIP_"))}
+    proc = subprocess.run(
+        [locks.uv(), "pip", "compile", "--no-config", "--python-platform", locks.PLATFORM, "--python-version",
+         python, "--only-binary", ":all:", "--generate-hashes", "--no-header", "--no-annotate", "--quiet",
+         *map(str, files)],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"Python {python}, {role}: the locks do not resolve:\n{proc.stderr[-3000:]}"
+    return locks.parse(proc.stdout), locked
 
 
 @pytest.mark.slow
-def test_node_and_gpu_locks_resolve_together_on_a_linux_gpu_host() -> None:
-    expected = _versions(_pins("node")) | _versions(_pins("gpu"))
-    resolved = _versions(_resolve(_args("node", "gpu"), gpu_host=True, python=_lock_python()))
-    assert resolved == expected, {
-        "not locked": {n: v for n, v in resolved.items() if n not in expected},
-        "locked, not installed": {n: v for n, v in expected.items() if n not in resolved},
-        "other version": {n: (expected[n], v) for n, v in resolved.items() if n in expected and expected[n] != v},
-    }
-    assert resolved["unsloth"] == "2026.10.1"
-    assert resolved["transformers"] == _versions(_pins("node"))["transformers"]
-
-
-@pytest.mark.slow
-def test_node_controller_and_dev_locks_resolve_together_here() -> None:
-    expected = _versions(_pins("node")) | _versions(_pins("controller")) | _versions(_pins("dev"))
-    resolved = _versions(_resolve(_args("node", "controller", "dev")))
-    assert resolved == expected, {
-        "not locked": {n: v for n, v in resolved.items() if n not in expected},
-        "locked, not installed": {n: v for n, v in expected.items() if n not in resolved},
-    }
+def test_every_lock_resolves_complete_from_the_registry_alone_for_every_python() -> None:
+    targets = [(python, role) for python in locks.PYTHONS for role in ROLES]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = dict(zip(targets, pool.map(lambda t: _resolve(*t), targets), strict=True))
+    for (python, role), (resolved, locked) in results.items():
+        allowed = set(locks.omitted(_lock(python, role))) if role != "node" else set()
+        where = f"Python {python}, node{' + ' + role if role != 'node' else ''}"
+        assert set(resolved) - set(locked) == allowed, f"{where}: needed but not locked"
+        assert set(locked) - set(resolved) == set(), f"{where}: locked but needed by nothing"
+        other = {n: (p.version, resolved[n].version) for n, p in locked.items() if resolved[n].version != p.version}
+        assert other == {}, f"{where}: the registry resolves other versions"
+        wrong = [n for n, p in locked.items() if _hashes(p) != _hashes(resolved[n])]
+        assert wrong == [], f"{where}: hashes differ from the registry's for {wrong}"
+        if role != "controller":
+            assert [n for n in TORCH_NEEDS if n not in resolved] == [], f"{where}: torch's CUDA stack"

@@ -1,179 +1,210 @@
-"""Regenerate the locks by role (`make lock`) with pip's own resolver, never installing anything.
+"""Regenerate the locks (`make lock`): what each kind of host installs, for each Python a node may run.
 
-    node.lock        what every node runs (the trainer); role python_env installs it on every node
-    gpu.lock         what a host with an NVIDIA GPU adds on top of node.lock (unsloth and its needs)
-    controller.lock  what the controller adds on top of node.lock (Ansible, the CLI, gguf)
-    dev.lock         what the development machine and CI add on top of node.lock + controller.lock
+    requirements/locks/py3.X/node.txt        every node (the trainer): role python_env syncs it everywhere
+    requirements/locks/py3.X/gpu.txt         a host with an NVIDIA GPU adds these to node.txt (unsloth)
+    requirements/locks/py3.X/controller.txt  the controller's .venv adds these to node.txt (`make venv`:
+                                             Ansible, the CLI, the lint and test tools)
+    requirements/locks/uv.txt                the pinned uv alone (`make venv` bootstraps with it)
 
-Each lock lists exactly the packages its role needs beyond the locks below it, every one pinned.
-They are consistent by construction: node.in + gpu.in are resolved together for a Linux x86-64
-GPU host first, node.lock is then resolved for this machine under those versions, and the
-controller and dev locks are resolved on top of the pinned node.lock (and controller.lock).
-Every resolution is `pip install --dry-run --ignore-installed --report` (pip >= 23), so nothing
-on this machine changes. tests/test_locks.py re-runs the resolver over the committed locks.
+One directory per CPython minor that a supported node OS ships (Debian 12: 3.11, Ubuntu 24.04: 3.12,
+Debian 13: 3.13), all for Linux x86-64 (manylinux_2_28, binary wheels only), every pin with its hashes.
+Files per (Python, role) rather than one universal lock with markers: a host syncs exactly the files
+of its Python with no marker to evaluate, a wheelhouse is built from one directory, and a diff shows
+which Python's set changed.
+
+Every set is resolved from the registry alone by the uv that node.in pins, with `--no-config` (this
+machine's pip configuration, its local wheels and constraints, cannot leak in), as a host of that
+platform and Python would. The same package gets the same version everywhere it can: the oldest
+Python's sets are resolved first and constrain every other Python's. node.txt is a subset of
+node + gpu and of node + controller, same versions, which `check` asserts.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent.parent / "requirements"
-PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
-
-# A Linux x86-64 GPU host with glibc >= 2.28 installs any of these wheel platforms.
-GPU_HOST_PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(28, 16, -1)] + [
-    "manylinux2014_x86_64",
-    "manylinux2010_x86_64",
-    "manylinux1_x86_64",
-    "linux_x86_64",
-]
-
-# Never part of node.lock: the nodes run the trainer, not the controller's or the tests' tools.
-NOT_ON_NODES = re.compile(r"^(ansible.*|molecule.*|pytest.*|ruff|mypy.*|black|yamllint|types-.*)$")
-
-HEADERS = {
-    "node": "every node installs exactly these (role python_env).",
-    "gpu": "hosts with an NVIDIA GPU install these on top of node.lock, resolved for Linux x86-64.",
-    "controller": "the controller's .venv adds these to node.lock (make venv).",
-    "dev": "the development machine and CI add these to node.lock + controller.lock (make venv).",
+REQUIREMENTS = Path(__file__).resolve().parent.parent / "requirements"
+LOCKS = REQUIREMENTS / "locks"
+PYTHONS = ("3.11", "3.12", "3.13")
+PLATFORM = "x86_64-manylinux_2_28"
+# What each role resolves: node alone, and node with each role's additions.
+INPUTS = {"node": ("node",), "gpu": ("node", "gpu"), "controller": ("node", "controller", "dev")}
+# Packages a role's requirement pulls in that the lock leaves out, with why. The hosts' completeness
+# check (`uv pip check`) tolerates exactly these missing.
+OMITTED = {
+    "gpu": {
+        "xformers": "the registry's newest xformers (0.0.35) is built for CUDA 12.8 and links libcudart.so.12, "
+        "which torch's CUDA 13 stack lacks: it cannot load, and unsloth runs without it",
+    }
 }
+# Never part of node.txt: the nodes run the trainer, not the controller's or the tests' tools.
+NOT_ON_NODES = re.compile(r"^(ansible.*|molecule.*|pytest.*|ruff|mypy.*|black|yamllint|types-.*)$")
+DESCRIPTION = {
+    "node": "every node installs exactly these (role python_env).",
+    "gpu": "a host with an NVIDIA GPU installs these on top of node.txt (role python_env).",
+    "controller": "the controller's .venv installs these on top of node.txt (make venv).",
+}
+
+
+class LockError(RuntimeError):
+    """A set that does not resolve, or locks that disagree with each other."""
 
 
 def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def public(version: str) -> str:
-    """torch's local build label (2.13.0+cpu) is dropped: the same pin takes the CUDA build on a GPU host."""
-    return version.split("+", 1)[0]
+@dataclass(frozen=True)
+class Pin:
+    """One package of a lock: its name as written, version, and the lines that pin it (hashes included)."""
+
+    name: str
+    version: str
+    text: str
 
 
-def resolve(
-    args: list[str], *, gpu_host: bool = False, python: str = PYTHON, timeout: float = 900
-) -> dict[str, tuple[str, str]]:
-    """Run pip's resolver over requirement arguments; return {canonical name: (name, version)}.
+def parse(text: str) -> dict[str, Pin]:
+    """The pins of uv's requirements output (`name==version \\` and its indented `--hash` lines)."""
+    pins: dict[str, Pin] = {}
+    block: list[str] = []
 
-    gpu_host resolves for a Linux x86-64 host of Python `python` (CPython, binary wheels only)
-    instead of this machine. Raises CalledProcessError with pip's message when the set does not
-    resolve, TimeoutExpired past `timeout` seconds.
-    """
-    with tempfile.TemporaryDirectory(prefix="ugro-lock-") as tmp:
-        report = Path(tmp) / "report.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--dry-run",
-            "--ignore-installed",
-            "--progress-bar",
-            "off",
-            "--disable-pip-version-check",
-            "--no-input",
-            "--report",
-            str(report),
-        ]
-        if gpu_host:
-            # pip < 24 wants --target with platform options; --dry-run writes nothing there.
-            cmd += [
-                "--target",
-                str(Path(tmp) / "target"),
-                "--implementation",
-                "cp",
-                "--python-version",
-                python,
-                "--only-binary=:all:",
-            ]
-            for tag in GPU_HOST_PLATFORMS:
-                cmd += ["--platform", tag]
-        cmd += args
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"}
-        )
-        if proc.returncode != 0:
-            # pip's verdict is on stderr, the conflicting requirements ("The conflict is caused by") on stdout.
-            errors = [line for line in proc.stderr.splitlines() if "is ignored: it is neither" not in line]
-            cause = proc.stdout[proc.stdout.find("The conflict is caused by") :] if "conflict is" in proc.stdout else ""
-            raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, "\n".join(errors) + "\n" + cause)
-        installs = json.loads(report.read_text())["install"]
-    return {
-        canonical(i["metadata"]["name"]): (i["metadata"]["name"], public(i["metadata"]["version"])) for i in installs
-    }
+    def close() -> None:
+        if block:
+            name, _, rest = block[0].partition("==")
+            version = rest.split()[0].rstrip("\\").strip()
+            pins[canonical(name)] = Pin(name.strip(), version, "\n".join(block))
 
-
-def read_lock(path: Path) -> dict[str, tuple[str, str]]:
-    pins = {}
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            name, _, version = line.partition("==")
-            pins[canonical(name)] = (name.strip(), version.strip())
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if not line[0].isspace():
+            close()
+            block = [line.rstrip()]
+        else:
+            block.append(line.rstrip())
+    close()
     return pins
 
 
-def render(role: str, pins: dict[str, tuple[str, str]]) -> str:
-    lines = [f"# Generated from requirements/{role}.in by 'make lock' on Python {PYTHON} — {HEADERS[role]}"]
-    if role == "node":
-        lines.append(
-            "# torch resolves to the local CPU build on a machine without GPU and to the CUDA build on a GPU host."
-        )
-    lines += [f"{name}=={version}" for _, (name, version) in sorted(pins.items())]
+def read(path: Path) -> dict[str, Pin]:
+    return parse(path.read_text())
+
+
+def uv() -> str:
+    """The uv that node.in pins, installed beside this Python (make venv), else the one on PATH."""
+    here = Path(sys.executable).parent / "uv"
+    found = str(here) if here.exists() else shutil.which("uv")
+    if not found:
+        raise LockError("uv not found: `make venv` installs the pinned one into .venv")
+    return found
+
+
+def compile_set(inputs: Iterable[Path], python: str, constraints: dict[str, Pin] | None = None) -> dict[str, Pin]:
+    """Resolve requirement files from the registry alone, as a Linux x86-64 host of CPython `python` would."""
+    with tempfile.TemporaryDirectory(prefix="ugro-lock-") as tmp:
+        cmd = [uv(), "pip", "compile", "--no-config", "--python-platform", PLATFORM, "--python-version", python,
+               "--only-binary", ":all:", "--generate-hashes", "--no-header", "--no-annotate", "--quiet",
+               *map(str, inputs)]  # fmt: skip
+        if constraints:
+            path = Path(tmp) / "constraints.txt"
+            path.write_text("".join(f"{pin.name}=={pin.version}\n" for pin in constraints.values()))
+            cmd += ["--constraints", str(path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    if proc.returncode != 0:
+        raise LockError(f"{' '.join(cmd)}\n{proc.stderr.strip()}")
+    return parse(proc.stdout)
+
+
+def render(role: str, python: str, pins: dict[str, Pin]) -> str:
+    lines = [
+        f"# Generated by 'make lock' (ugro/locks.py) from requirements/{'.in + '.join(INPUTS[role])}.in for CPython "
+        f"{python} on Linux x86-64 ({PLATFORM}): {DESCRIPTION[role]}",
+        "# Resolved from the registry alone: uv pip compile --no-config --only-binary :all: --generate-hashes.",
+    ]
+    for name, why in OMITTED.get(role, {}).items():
+        lines.append(f"# ugro-omits: {name} ({why})")
+    lines += [pins[name].text for name in sorted(pins)]
     return "\n".join(lines) + "\n"
 
 
+def omitted(path: Path) -> list[str]:
+    """The packages a lock file says it leaves out on purpose (`# ugro-omits: name (why)` lines)."""
+    return [canonical(m) for m in re.findall(r"^# ugro-omits: (\S+)", path.read_text(), re.M)]
+
+
+def _drop(pins: dict[str, Pin], names: Iterable[str]) -> dict[str, Pin]:
+    gone = {canonical(n) for n in names}
+    return {n: p for n, p in pins.items() if n not in gone}
+
+
+def _subset(node: dict[str, Pin], full: dict[str, Pin], role: str, python: str) -> dict[str, Pin]:
+    """The pins of `full` beyond node's; node's must all be in `full` at the same version."""
+    differ = [f"{n} {p.version} (node) vs {full[n].version if n in full else 'absent'} ({role})"
+              for n, p in node.items() if n not in full or full[n].version != p.version]  # fmt: skip
+    if differ:
+        raise LockError(f"Python {python}: node.txt is not part of node + {role}: {'; '.join(differ)}")
+    return {n: p for n, p in full.items() if n not in node}
+
+
+def resolve_python(python: str, reference: dict[str, Pin]) -> dict[str, dict[str, Pin]]:
+    """node, gpu (beyond node) and controller (beyond node) for one Python, under the reference versions."""
+
+    def req(role: str) -> list[Path]:
+        return [REQUIREMENTS / f"{name}.in" for name in INPUTS[role]]
+
+    gpu = _drop(compile_set(req("gpu"), python, reference), OMITTED["gpu"])
+    node = compile_set(req("node"), python, gpu)
+    on_nodes = sorted(n for n in node if NOT_ON_NODES.match(n))
+    if on_nodes:
+        raise LockError(f"Python {python}: node.txt would put {on_nodes} on every node")
+    controller = compile_set(req("controller"), python, {**reference, **node})
+    return {
+        "node": node,
+        "gpu": _subset(node, gpu, "gpu", python),
+        "controller": _subset(node, controller, "controller", python),
+    }
+
+
+def generate() -> dict[Path, str]:
+    """Every lock file's text, by path; nothing is written."""
+    first, *others = PYTHONS
+    reference = _drop(compile_set([REQUIREMENTS / "node.in", REQUIREMENTS / "gpu.in"], first), OMITTED["gpu"])
+    sets = {first: resolve_python(first, reference)}
+    reference = {name: pin for pins in sets[first].values() for name, pin in pins.items()}
+    with ThreadPoolExecutor(max_workers=len(others)) as pool:
+        sets |= dict(zip(others, pool.map(lambda py: resolve_python(py, reference), others), strict=True))
+    files = {
+        LOCKS / f"py{python}" / f"{role}.txt": render(role, python, pins)
+        for python, roles in sets.items()
+        for role, pins in roles.items()
+    }
+    uv_pin = sets[PYTHONS[0]]["node"]["uv"]
+    files[LOCKS / "uv.txt"] = (
+        "# Generated by 'make lock': the uv that requirements/node.in pins (make venv bootstraps with it).\n"
+        + uv_pin.text
+        + "\n"
+    )
+    return files
+
+
 def main() -> int:
-    if platform.machine() != "x86_64" or not sys.platform.startswith("linux"):
-        print("make lock runs on Linux x86-64 (the nodes' platform)", file=sys.stderr)
+    try:
+        files = generate()
+    except (LockError, subprocess.TimeoutExpired) as exc:
+        print(f"make lock: {exc}", file=sys.stderr)
         return 1
-    locks: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="ugro-locks-") as tmp:
-
-        def req(role: str) -> list[str]:
-            return ["-r", str(HERE / f"{role}.in")]
-
-        def lock(role: str, pins: dict[str, tuple[str, str]]) -> list[str]:
-            """Render a lock into the scratch directory (the real ones change only when all resolve)."""
-            locks[role] = render(role, pins)
-            (Path(tmp) / f"{role}.lock").write_text(locks[role])
-            return ["-r", str(Path(tmp) / f"{role}.lock")]
-
-        try:
-            print("resolving node.in + gpu.in for a Linux x86-64 GPU host ...", flush=True)
-            joint = resolve(req("node") + req("gpu"), gpu_host=True)
-            constraints = Path(tmp) / "constraints.txt"
-            constraints.write_text("".join(f"{name}=={version}\n" for name, version in joint.values()))
-            print("resolving node.in for this machine under those versions ...", flush=True)
-            node = resolve([*req("node"), "-c", str(constraints)])
-            differ = [
-                f"{n}: {node[n][1]} here, {joint[n][1]} on a GPU host"
-                for n in node
-                if n in joint and node[n] != joint[n]
-            ]
-            on_nodes = [f"{n} would be on every node" for n in node if NOT_ON_NODES.match(n)]
-            if differ or on_nodes:
-                print("node.lock would be inconsistent: " + "; ".join(differ + on_nodes), file=sys.stderr)
-                return 1
-            node_lock = lock("node", node)
-            lock("gpu", {n: pin for n, pin in joint.items() if n not in node})
-            print("resolving controller.in on top of node.lock ...", flush=True)
-            controller = resolve(node_lock + req("controller"))
-            controller_lock = lock("controller", {n: pin for n, pin in controller.items() if n not in node})
-            print("resolving dev.in on top of node.lock + controller.lock ...", flush=True)
-            dev = resolve(node_lock + controller_lock + req("dev"))
-            lock("dev", {n: pin for n, pin in dev.items() if n not in controller})
-        except subprocess.CalledProcessError as exc:
-            print(exc.stderr, file=sys.stderr)
-            return 1
-    for role, text in locks.items():
-        (HERE / f"{role}.lock").write_text(text)
-        print(f"requirements/{role}.lock: {len(read_lock(HERE / f'{role}.lock'))} packages")
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"{path.relative_to(REQUIREMENTS.parent)}: {len(parse(text))} packages")
     return 0
 
 
