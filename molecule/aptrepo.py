@@ -3,7 +3,7 @@
 
 It builds a *flat* apt repository (like NVIDIA's `.../repos/debian12/x86_64/`, used with
 `Suites: /`) of tiny dummy packages: the `cuda-keyring` package, the driver packages and
-`cuda-toolkit-12-8`, each at a PINNED and at a NEWER version, so a test can check that the pinned
+`cuda-toolkit-13-0`, each at a PINNED and at a NEWER version, so a test can check that the pinned
 one is installed and held and that an upgrade does not pull the newer one. The index is signed
 with a throwaway GPG key made in a temporary GNUPGHOME (removed afterwards); the dummy
 `cuda-keyring` package ships that key where NVIDIA's ships theirs.
@@ -44,17 +44,18 @@ KEYRING_PATH = "/usr/share/keyrings/cuda-archive-keyring.gpg"
 KEYRING_VERSION = "1.1-1"
 KEYRING_DEB = f"cuda-keyring_{KEYRING_VERSION}_all.deb"
 
-# The driver: one branch (>= 570, open kernel modules, what RTX 50 needs), a pinned and a newer release.
-DRIVER_PINNED = "570.172.08"
-DRIVER_NEWER = "570.195.03"
+# The driver: one branch, R580 (what CUDA 13.0 needs, ugro/stack.py; open kernel modules for RTX 50), a
+# pinned and a newer release. The pinned one must pass the nvidia_driver role's check against the lock.
+DRIVER_PINNED = "580.159.03"
+DRIVER_NEWER = "580.173.02"
 # What the nvidia_driver role installs by default on Debian 12 with the open kernel modules (NVIDIA's
 # compute-only install: nvidia-driver-cuda + nvidia-kernel-open-dkms; nvidia-smi is its own package).
 DRIVER_PACKAGES = ("nvidia-kernel-open-dkms", "nvidia-driver-cuda", "nvidia-smi")
 
-# The CUDA toolkit 12.8 (CUDA >= 12.8 is what sm_120 needs): a pinned and a newer release.
-CUDA_PINNED = "12.8.0"
-CUDA_NEWER = "12.8.1"
-CUDA_PACKAGE = "cuda-toolkit-12-8"
+# The CUDA toolkit 13.0 (the CUDA of torch's wheels in the lock): a pinned and a newer release.
+CUDA_PINNED = "13.0.2"
+CUDA_NEWER = "13.0.3"
+CUDA_PACKAGE = "cuda-toolkit-13-0"
 
 GPU_NAME = "NVIDIA GeForce RTX 5070 Ti"
 GPU_MEMORY_MIB = 12227
@@ -80,7 +81,7 @@ for arg in "$@"; do
   esac
 done
 if [ -z "$query" ]; then
-  echo "NVIDIA-SMI $version    Driver Version: $version    CUDA Version: 12.8"
+  echo "NVIDIA-SMI $version    Driver Version: $version    CUDA Version: 13.0"
   echo "|   0  $name    ${memory}MiB |"
   exit 0
 fi

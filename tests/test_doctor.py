@@ -20,7 +20,7 @@ EXPECTED = {
     "cuda-oom": ("node3070", "memory", "rank_local.micro_batch_size"),
     "nan": ("master", "NaN", "optim.lr"),
     "driver-mismatch": ("node4070", "kernel module", "reboot"),
-    "sm120": ("master", "sm_120", "cu128"),
+    "sm120": ("master", "sm_120", "cu130"),
     "name-resolution": ("node4070", "resolve", "/etc/hosts"),
     "ddp-ready-twice": ("node3070", "twice", "non-reentrant"),
     "never-joined": ("node3070", "never joined", "torchrun.log"),

@@ -41,8 +41,10 @@ KNOWN = (
     _k(
         "sm120",
         r"sm_\d+ is not compatible with the current PyTorch installation|no kernel image is available",
-        "this PyTorch build has no kernels for the GPU (RTX 50-series is sm_120)",
-        "install PyTorch wheels built for CUDA >= 12.8 (cu128) on that host; driver branch >= 570 with open modules",
+        "this PyTorch build has no kernels for the GPU (RTX 50-series is sm_120; CUDA 13 builds dropped cards below "
+        "sm_75)",
+        "make provision on that host: the lock's torch (its CUDA 13.0 build, cu130) has kernels for sm_75 to sm_120 "
+        "and needs driver R580 (>= 580.65.06) with open modules; a card below sm_75 has none (preflight: gpu arch)",
     ),
     _k(
         "cuda-oom",
