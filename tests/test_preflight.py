@@ -50,19 +50,21 @@ def test_ifname_semantics_follow_nccl() -> None:
     assert _ifname_matches("eno1,enp5s0", "enp5s0") and _ifname_matches("^docker", "eth0") is None
 
 
-def _facts(torch: str) -> dict[str, Any]:
-    """ugro_host_facts' facts of a GPU host."""
+def _facts(torch: str, gpu: tuple[str, str] | None = ("NVIDIA GeForce RTX 4070", "8.9"), driver: str = "580.173.02",
+           unsloth: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """ugro_host_facts' facts of a GPU host (its card's name and compute capability), or of a CPU host."""
+    gpus = [{"name": gpu[0], "memory_mib": 8188.0, "compute_cap": gpu[1]}] if gpu else []
     return {
         "versions": {
             "python": "3.12.3",
             "torch": torch,
-            "cuda runtime": "12.8",
-            "nccl": "2.27.3",
-            "transformers": "5.23.0",
+            "cuda runtime": "13.0",
+            "nccl": "2.29.7",
+            "transformers": "5.17.0",
             "peft": "0.21.2",
-            "unsloth": None,
+            "unsloth": unsloth,
         },
-        "gpu": {"gpus": [{"name": "RTX 4070", "memory_mib": 8188.0}], "driver": "570.153", "smi": "ok"},
+        "gpu": {"gpus": gpus, "driver": driver if gpu else None, "smi": "ok" if gpu else "missing"},
         "code": {"hash": "h" * 64},
         "disk": {"free_bytes": 50 << 30},
         "resolve": {},
@@ -90,6 +92,90 @@ def test_the_odd_version_out_fails_on_its_host_and_names_the_fix() -> None:
     assert torch["a"].status == torch["b"].status == "PASS" and torch["c"].status == "FAIL"
     assert "2.13.0" in torch["c"].fix and "c" in torch["c"].fix
     assert report.row("driver").cells["b"].status == "PASS"
+
+
+def _judge(facts: dict[str, dict[str, Any]], backend: str = "auto") -> Report:
+    network: dict[str, Any] = {"listen": {}, "connect": []}
+    reports = {h: {"host": f, "network": network} for h, f in facts.items()}
+    hosts = list(facts)
+    addresses = dict.fromkeys(hosts, "10.0.0.1")
+    return judge_fast(reports, {}, hosts, hosts[0], addresses, 29500, "h" * 64, {}, Thresholds(), backend=backend)
+
+
+REFERENCE = {  # the reference cluster: RTX 5070 Ti 12 GB master, RTX 4070 and RTX 3070 Ti 8 GB
+    "master": ("NVIDIA GeForce RTX 5070 Ti", "12.0"),
+    "node4070": ("NVIDIA GeForce RTX 4070", "8.9"),
+    "node3070": ("NVIDIA GeForce RTX 3070 Ti", "8.6"),
+}
+
+
+def test_the_reference_cluster_passes_its_driver_cards_and_runs_unsloth() -> None:
+    report = _judge({h: _facts("2.13.0", card, unsloth="2026.10.1") for h, card in REFERENCE.items()})
+    for row in ("driver", "gpu arch", "backend"):
+        assert {h: c.status for h, c in report.row(row).cells.items()} == dict.fromkeys(REFERENCE, "PASS"), row
+    arch = report.row("gpu arch").cells
+    assert (arch["master"].detail, arch["node4070"].detail, arch["node3070"].detail) == (
+        "12.0 sm_120",
+        "8.9 runs sm_86",
+        "8.6 sm_86",
+    )
+    assert report.row("driver").cells["node4070"].detail == "580.173.02 (CUDA 13.0 needs >= 580.65.06)"
+    assert {c.detail for c in report.row("backend").cells.values()} == {"unsloth (CUDA, nccl)"}
+    assert report.measurements["node3070"]["backend"] == {"name": "unsloth", "device": "cuda"}
+
+
+def test_a_driver_too_old_for_torchs_cuda_fails_naming_host_card_versions_and_fix() -> None:
+    facts = {h: _facts("2.13.0", card, unsloth="2026.10.1") for h, card in REFERENCE.items()}
+    facts["node4070"] = _facts("2.13.0", REFERENCE["node4070"], driver="570.172.08", unsloth="2026.10.1")
+    report = _judge(facts)
+    driver = report.row("driver").cells
+    assert (driver["master"].status, driver["node4070"].status, driver["node3070"].status) == ("PASS", "FAIL", "PASS")
+    cell = driver["node4070"]
+    assert "node4070 (NVIDIA GeForce RTX 4070) runs driver 570.172.08" in cell.cause
+    assert "580.65.06" in cell.cause and "CUDA 13.0" in cell.cause and "torch 2.13.0" in cell.cause
+    assert 'nvidia_driver_version: "580.173.02"' in cell.fix and "--limit node4070" in cell.fix
+    assert "reboot node4070" in cell.fix
+    backend = report.row("backend").cells["node4070"]  # what it would really do: train on CPU
+    assert backend.status == "FAIL" and backend.detail == "hf, CPU (no CUDA)" and "570.172.08" in backend.cause
+    assert report.failed()
+
+
+def test_a_card_torch_has_no_kernel_for_fails_naming_host_card_and_compute_capability() -> None:
+    facts = {"master": _facts("2.13.0", REFERENCE["master"]), "pascal": _facts("2.13.0", ("GeForce GTX 1080", "6.1"))}
+    facts["volta"] = _facts("2.13.0", ("Tesla V100-PCIE-32GB", "7.0"))
+    arch = _judge(facts).row("gpu arch").cells
+    assert {h: c.status for h, c in arch.items()} == {"master": "PASS", "pascal": "FAIL", "volta": "FAIL"}
+    cell = arch["pascal"]
+    assert cell.detail == "6.1 unsupported"
+    assert "pascal's GeForce GTX 1080 is compute capability 6.1" in cell.cause
+    assert "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120" in cell.cause and "torch 2.13.0" in cell.cause
+    assert "Turing (7.5) or newer" in cell.fix and "pascal" in cell.fix
+
+
+def test_the_backend_row_names_what_each_host_runs() -> None:
+    facts = {
+        "master": _facts("2.13.0", REFERENCE["master"], unsloth="2026.10.1"),
+        "plain": _facts("2.13.0", REFERENCE["node3070"]),  # no unsloth installed
+        "laptop": _facts("2.13.0", None),
+    }
+    backend = _judge(facts).row("backend").cells
+    assert {h: (c.status, c.detail) for h, c in backend.items()} == {
+        "master": ("PASS", "unsloth (CUDA, nccl)"),
+        "plain": ("PASS", "hf (CUDA, nccl)"),
+        "laptop": ("PASS", "hf (CPU, gloo)"),
+    }
+    hf = _judge(facts, backend="hf").row("backend").cells
+    assert {c.detail for c in hf.values()} == {"hf (CUDA, nccl)", "hf (CPU, gloo)"}
+    forced = _judge(facts, backend="unsloth").row("backend").cells
+    assert {h: c.status for h, c in forced.items()} == {"master": "PASS", "plain": "FAIL", "laptop": "FAIL"}
+    assert "needs CUDA" in forced["laptop"].cause and "model.backend 'auto'" in forced["laptop"].fix
+    assert "unsloth is not installed" in forced["plain"].cause and "gpu.txt" in forced["plain"].fix
+    # make train refuses the same hosts, for the same reasons.
+    from ugro.preflight import backend_problems
+
+    assert backend_problems(facts, "auto") == []
+    refused = backend_problems(facts, "unsloth")
+    assert [line.split(":")[0] for line in refused] == ["plain", "laptop"], refused
 
 
 def test_a_host_whose_module_failed_is_unreachable_with_the_modules_fix() -> None:

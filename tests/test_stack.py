@@ -181,3 +181,20 @@ def test_docs_state_the_versions_the_locks_pin() -> None:
     ]:
         assert re.search(rf"\| `?{re.escape(name)}`? .*\| `?{re.escape(version)}`? ", text), (name, version)
 
+
+def test_validate_says_which_backend_the_job_runs_where() -> None:
+    done = subprocess.run(
+        [PYTHON, "-m", "ugro.cli", "validate", "--job", "jobs/default.yaml"],
+        cwd=REPO,
+        env=run_env() | {"COLUMNS": "400"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith("backend: "))
+    assert "model.backend 'auto': unsloth on a host with unsloth installed" in line, line
+    assert ">= 580.65.06 for CUDA 13.0" in line and "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120" in line, line
+    assert "transformers + peft (hf) elsewhere, on CPU with gloo" in line, line
+    assert "unsloth': every host needs" in stack.policy("unsloth", "13.0")
+    assert stack.policy("hf", "13.0").startswith("model.backend 'hf': transformers + peft on every host")

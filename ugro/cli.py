@@ -18,11 +18,11 @@ from rich.table import Table
 
 from train.config import ConfigError, JobConfig, load_job
 from train.metrics import read_eval, read_metrics, read_samples
-from ugro import codesync, doctor, jobcheck, scheduler_cli
+from ugro import codesync, doctor, jobcheck, scheduler_cli, stack
 from ugro import preflight as preflight_run
 from ugro.cluster import InventoryError, read_cluster
 from ugro.launcher import REPO, PlaybookRun, run_playbook
-from ugro.preflight_checks import Thresholds
+from ugro.preflight_checks import Thresholds, lock_cuda
 from ugro.supervisor import LaunchError, Supervisor, record
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ugro: LoRA fine-tuning across the GPUs of a LAN.")
@@ -124,13 +124,17 @@ def _summary(run_dir: Path) -> None:
 
 @app.command()
 def validate(job_file: JobOpt = Path("jobs/default.yaml")) -> None:
-    """Check a job file and print its cluster-wide hash."""
+    """Check a job file, print its cluster-wide hash and which backend it runs where."""
     job, data = _checked(job_file)
     held = f", {data.eval_records} held-out" if job.eval else ""
     console.print(
         f"{job_file}: ok (job '{job.name}', {data.train_records} training records{held}, "
         f"cluster-wide hash {job.cluster_hash()[:12]})"
     )
+    cuda, why = lock_cuda()
+    if cuda is None:
+        raise _fail(f"the node lock cannot be judged: {why}")
+    console.print(f"backend: {stack.policy(job.model.backend, cuda)}", highlight=False)
 
 
 def _launch_failed(run: PlaybookRun, what: str) -> typer.Exit:
@@ -241,18 +245,21 @@ def train(
     _summary(run_dir)
 
 
-def _preflight(inventory: Path, thresholds: Thresholds, job_file: str | None, heavy: bool) -> preflight_run.Outcome:
+def _preflight(
+    inventory: Path, thresholds: Thresholds, job_file: str | None, heavy: bool, backend: str
+) -> preflight_run.Outcome:
     if not inventory.is_file():
         raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
+    control = REPO / "runs" / ".control" / "preflight"
     try:
-        return preflight_run.preflight(inventory, REPO / "runs" / ".control" / "preflight", thresholds, job_file, heavy)
+        return preflight_run.preflight(inventory, control, thresholds, job_file, heavy, backend)
     except preflight_run.PreflightError as exc:
         raise _fail(f"preflight could not run on {inventory}: {exc}") from None
 
 
 def _fast_preflight(inventory: Path, backend: str) -> None:
     """The fast checks before a launch: refuse on a FAIL (or a backend a host cannot run), show WARNs."""
-    outcome = _preflight(inventory, Thresholds(), None, heavy=False)
+    outcome = _preflight(inventory, Thresholds(), None, heavy=False, backend=backend)
     unable = preflight_run.backend_problems(outcome.facts, backend)
     if unable:
         for line in unable:
@@ -280,9 +287,10 @@ def preflight_cmd(
     busbw_floor: BusbwOpt = 0.05,
 ) -> None:
     """Check every host before a launch: versions, names, ports, interfaces, all-reduce, memory."""
-    _prepare_model(_load(job_file))
+    job = _load(job_file)
+    _prepare_model(job)
     thresholds = Thresholds(min_free_gb=min_free_gb, busbw_floor_gbps=busbw_floor)
-    outcome = _preflight(inventory, thresholds, _relative_to_repo(job_file), heavy=not fast)
+    outcome = _preflight(inventory, thresholds, _relative_to_repo(job_file), heavy=not fast, backend=job.model.backend)
     if as_json:
         print(outcome.report.to_json())
     else:

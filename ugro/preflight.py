@@ -17,10 +17,20 @@ from rich.console import Console
 from rich.table import Table
 
 from train.config import load_job
-from ugro import codesync, jobcheck
+from ugro import codesync, jobcheck, stack
 from ugro.launcher import REPO, PlaybookRun, run_playbook
 from ugro.module_utils import ugro_codetree as codetree
-from ugro.preflight_checks import NETWORK_ROWS, ORDER, Cell, Check, Report, Thresholds, judge_fast, judge_heavy
+from ugro.preflight_checks import (
+    NETWORK_ROWS,
+    ORDER,
+    Cell,
+    Check,
+    Report,
+    Thresholds,
+    judge_fast,
+    judge_heavy,
+    lock_cuda,
+)
 
 STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red", "SKIP": "dim"}
 
@@ -37,20 +47,31 @@ class Outcome:
 
 
 def backend_problems(facts: dict[str, dict[str, Any]], backend: str) -> list[str]:
-    """Why ``model.backend: unsloth`` cannot run on a host (no NVIDIA GPU, unsloth not installed), per host."""
+    """Why ``model.backend: unsloth`` cannot run on a host (no usable NVIDIA GPU, unsloth not installed), per
+    host: ugro/stack.py's ``backend``, as preflight's `backend` row judges it."""
     if backend != "unsloth":
         return []
+    cuda, _ = lock_cuda()
     problems = []
     for host, found in facts.items():
         gpus = found.get("gpu", {}).get("gpus") or []
-        version = found.get("versions", {}).get("unsloth")
-        if not gpus:
-            problems.append(f"{host}: model.backend 'unsloth' needs CUDA, and this host has no NVIDIA GPU")
-        elif not version:
+        installed = bool(found.get("versions", {}).get("unsloth"))
+        if cuda is not None:
+            ccs = [g.get("compute_cap") for g in gpus]
+            choice = stack.backend(ccs, found.get("gpu", {}).get("driver"), cuda, installed, backend)
+        elif not gpus:  # no lock to judge the GPU by: what the host has is all there is to go on
+            choice = stack.Backend(
+                "hf", "cpu", "model.backend 'unsloth' needs CUDA, and there is no NVIDIA GPU", "no gpu"
+            )
+        else:
+            choice = stack.Backend("unsloth", "cuda", "", None if installed else "no unsloth")
+        if choice.problem == "no unsloth":
             problems.append(
                 f"{host}: model.backend 'unsloth' but unsloth is not installed in its environment "
-                "(make provision installs requirements/gpu.lock on GPU hosts)"
+                "(make provision installs requirements/locks/py3.X/gpu.txt on GPU hosts)"
             )
+        elif not choice.ok:
+            problems.append(f"{host}: {choice.why}")
     return problems
 
 
@@ -74,8 +95,10 @@ def _context(run: PlaybookRun) -> dict[str, Any]:
     raise PreflightError(_playbook_error(run))
 
 
-def run_fast(inventory: Path, control: Path, thresholds: Thresholds) -> tuple[Report, PlaybookRun]:
-    """The fast checks on every host of the inventory."""
+def run_fast(
+    inventory: Path, control: Path, thresholds: Thresholds, backend: str = "auto"
+) -> tuple[Report, PlaybookRun]:
+    """The fast checks on every host of the inventory, for a job whose model.backend is ``backend``."""
     controller_hash = codetree.tree_hash(REPO, codetree.code_files(REPO))
     extravars = {"ugro_preflight_phase": "fast", "ugro_preflight_ephemeral_port": random.randint(40000, 60000)}
     run = run_playbook("preflight.yml", inventory, extravars, control / "fast")
@@ -95,6 +118,7 @@ def run_fast(inventory: Path, control: Path, thresholds: Thresholds) -> tuple[Re
         code_sync,
         thresholds,
         {h: str(c.get("python", "ugro_python")) for h, c in own.items()},
+        backend=backend,
     )
     return report, run
 
@@ -132,10 +156,15 @@ def run_heavy(report: Report, inventory: Path, job_file: str, control: Path, thr
 
 
 def preflight(
-    inventory: Path, control: Path, thresholds: Thresholds, job_file: str | None = None, heavy: bool = False
+    inventory: Path,
+    control: Path,
+    thresholds: Thresholds,
+    job_file: str | None = None,
+    heavy: bool = False,
+    backend: str = "auto",
 ) -> Outcome:
     started = time.monotonic()
-    report, run = run_fast(inventory, control, thresholds)
+    report, run = run_fast(inventory, control, thresholds, backend)
     facts = {
         h: dict(f["preflight_report"]["host"])
         for h, f in run.facts.items()

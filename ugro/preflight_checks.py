@@ -15,6 +15,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from ugro import locks, stack
+
 Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
 ORDER: dict[str, int] = {"PASS": 0, "SKIP": 1, "WARN": 2, "FAIL": 3}
 VERSION_ROWS = ("python", "torch", "cuda runtime", "nccl", "transformers", "peft", "unsloth")
@@ -340,6 +342,144 @@ def _clock_row(reports: dict[str, dict[str, Any]], rendezvous: str, t: Threshold
     return check
 
 
+def lock_cuda() -> tuple[str | None, str]:
+    """The CUDA runtime of the node lock (what torch runs on the GPU hosts), or None and why not."""
+    try:
+        cuda = stack.lock_cuda_runtime(locks.LOCKS)
+        stack.min_driver(cuda)
+        stack.torch_build(cuda)
+    except (stack.StackError, OSError) as exc:
+        return None, str(exc)
+    return cuda, ""
+
+
+def _torch(facts: dict[str, Any]) -> str:
+    return str(facts.get("versions", {}).get("torch") or "?")
+
+
+def _cards(facts: dict[str, Any]) -> str:
+    return ", ".join(sorted({str(g.get("name")) for g in facts.get("gpu", {}).get("gpus") or []})) or "its GPU"
+
+
+def _driver_fix(host: str) -> str:
+    return (
+        f'set nvidia_driver_version: "{stack.pinned_driver()}" (role nvidia_driver\'s default, R580) for every node, '
+        f"run make provision ANSIBLE_ARGS='--tags nvidia_driver --limit {host}' and reboot {host} "
+        "(nvidia_driver_reboot_allowed: true lets the role do it)"
+    )
+
+
+def _runs(driver: str, cuda: str) -> bool:
+    try:
+        return stack.driver_ok(driver, cuda)
+    except stack.StackError:  # not a version nvidia-smi should print: not one that runs anything
+        return False
+
+
+def _driver_row(facts: dict[str, dict[str, Any]], rendezvous: str, cuda: str | None) -> Check:
+    """Every GPU host's driver: new enough for torch's CUDA runtime (the lock's), and the same everywhere."""
+    drivers = {h: str(f["gpu"]["driver"]) for h, f in facts.items() if f.get("gpu", {}).get("driver")}
+    check = _same_everywhere(
+        "driver", dict(drivers), rendezvous, "install driver {ref} on {host} and hold it (apt-mark hold), then reboot"
+    )
+    if cuda is None:
+        return check
+    floor = stack.min_driver(cuda)
+    for host, driver in drivers.items():
+        if not _runs(driver, cuda):
+            check.cells[host] = Cell(
+                "FAIL",
+                f"{driver} < {floor}",
+                f"{host} ({_cards(facts[host])}) runs driver {driver}, older than the {floor} that CUDA {cuda} "
+                f"(torch {_torch(facts[host])}'s runtime) needs: torch sees no GPU there",
+                _driver_fix(host),
+            )
+        elif check.cells[host].status == "PASS":
+            check.cells[host] = Cell("PASS", f"{driver} (CUDA {cuda} needs >= {floor})")
+    return check
+
+
+def _arch_row(facts: dict[str, dict[str, Any]], cuda: str | None, why: str) -> Check:
+    """Every GPU's compute capability against the architectures torch's CUDA build was compiled for."""
+    check = Check("gpu arch")
+    for host, f in facts.items():
+        gpus = f.get("gpu", {}).get("gpus") or []
+        if not gpus:
+            check.cells[host] = Cell("PASS", "no GPU")
+            continue
+        if cuda is None:
+            check.cells[host] = Cell("WARN", "not judged", f"no CUDA runtime to judge against: {why}", "run make lock")
+            continue
+        seen: dict[str, str] = {}
+        dead: list[tuple[str, str]] = []
+        unknown: list[str] = []
+        for g in gpus:
+            name, cc = str(g.get("name")), g.get("compute_cap")
+            if cc is None:
+                unknown.append(name)
+            elif stack.support(cc, cuda) == "none":
+                dead.append((name, cc))
+            else:
+                cubin = stack.cubin_for(cc, cuda)
+                seen.setdefault(
+                    name, f"{cc} {cubin}" if cubin == f"sm_{cc.replace('.', '')}" else f"{cc} runs {cubin or 'PTX'}"
+                )
+        build = stack.torch_build(cuda)
+        torch = _torch(f)
+        if dead:
+            name, cc = dead[0]
+            check.cells[host] = Cell(
+                "FAIL",
+                f"{cc} unsupported",
+                f"{host}'s {name} is compute capability {cc}: torch {torch}'s CUDA {cuda} build has kernels for "
+                f"{build.arch_list()} only (CUDA 13 dropped Maxwell, Pascal and Volta)",
+                f"replace the {name} in {host} with a Turing (7.5) or newer card, or take {host} out of ugro_cluster",
+            )
+        elif unknown:
+            check.cells[host] = Cell(
+                "WARN",
+                "not reported",
+                f"nvidia-smi on {host} does not report the compute capability of {', '.join(unknown)}",
+                f"install the pinned driver on {host} (make provision ANSIBLE_ARGS='--tags nvidia_driver')",
+            )
+        else:
+            check.cells[host] = Cell("PASS", "; ".join(seen.values()))
+    return check
+
+
+def _backend_row(facts: dict[str, dict[str, Any]], cuda: str | None, requested: str, report: Report) -> Check:
+    """What each host trains with: unsloth or transformers + peft, on CUDA or on CPU (train/model.py's choice)."""
+    check = Check("backend")
+    for host, f in facts.items():
+        gpus = f.get("gpu", {}).get("gpus") or []
+        if cuda is None:
+            label = "hf (CPU, gloo)" if not gpus else "not judged"
+            check.cells[host] = Cell(
+                "PASS" if not gpus else "WARN", label, "no CUDA runtime in the lock", "run make lock"
+            )
+            continue
+        choice = stack.backend(
+            [g.get("compute_cap") for g in gpus],
+            f.get("gpu", {}).get("driver"),
+            cuda,
+            bool(f.get("versions", {}).get("unsloth")),
+            requested,
+        )
+        report.measurements.setdefault(host, {})["backend"] = {"name": choice.name, "device": choice.device}
+        if choice.ok:
+            check.cells[host] = Cell("PASS", choice.label())
+            continue
+        fixes = {
+            "no gpu": "use model.backend 'auto' (unsloth where it can run) or 'hf' in the job file",
+            "driver": _driver_fix(host),
+            "arch": f"replace the card in {host} with a Turing (7.5) or newer one, or take {host} out of ugro_cluster",
+            "no unsloth": "make provision (GPU hosts get requirements/locks/py3.X/gpu.txt) or model.backend 'auto'",
+        }
+        shown = f"{choice.name}, CPU (no CUDA)" if choice.problem == "driver" else choice.label()
+        check.cells[host] = Cell("FAIL", shown, f"{host} ({_cards(f)}): {choice.why}", fixes[choice.problem or ""])
+    return check
+
+
 def _running_row(facts: dict[str, dict[str, Any]]) -> Check:
     """One job per host at a time: a live job holds the rendezvous port and the devices."""
     check = Check("running job")
@@ -369,8 +509,14 @@ def judge_fast(
     code_sync: dict[str, bool],
     thresholds: Thresholds,
     python_of: dict[str, str] | None = None,
+    backend: str = "auto",
+    cuda: tuple[str | None, str] | None = None,
 ) -> Report:
-    """The fast rows from every host's report; hosts with no report are FAIL in `reachable` and SKIP elsewhere."""
+    """The fast rows from every host's report; hosts with no report are FAIL in `reachable` and SKIP elsewhere.
+
+    ``backend`` is the job's model.backend; ``cuda`` the CUDA runtime torch runs on the GPU hosts (and why
+    there is none), by default the node lock's (``lock_cuda``).
+    """
     report = Report(hosts, rendezvous)
     python_of = python_of or {}
     reach = Check("reachable")
@@ -415,7 +561,7 @@ def judge_fast(
         else:
             fix = (
                 "install " + row.replace(" ", "-") + " {ref} on {host}: make provision"
-                " (its venv gets requirements/node.lock, + gpu.lock on a GPU host)"
+                " (its venv gets requirements/locks/py3.X/node.txt, + gpu.txt on a GPU host)"
             )
         report.checks.append(_same_everywhere(row, values, rendezvous, fix))
 
@@ -455,13 +601,13 @@ def judge_fast(
                 f"expected on a CPU-only host; else install the NVIDIA driver on {host} (make provision)",
             )
     report.checks.append(gpu)
-    drivers = {h: f["gpu"]["driver"] for h, f in facts.items() if f.get("gpu", {}).get("driver")}
-    driver = _same_everywhere(
-        "driver", drivers, rendezvous, "install driver {ref} on {host} and hold it (apt-mark hold), then reboot"
-    )
+    runtime, why = cuda or lock_cuda()
+    driver = _driver_row(facts, rendezvous, runtime)
     for host in facts:
         driver.cells.setdefault(host, Cell("PASS", "no GPU"))
     report.checks.append(driver)
+    report.checks.append(_arch_row(facts, runtime, why))
+    report.checks.append(_backend_row(facts, runtime, backend, report))
 
     report.checks.append(Check("disk", {h: _disk_check(h, f, rendezvous, thresholds) for h, f in facts.items()}))
     report.checks.append(Check("names", {h: _names_check(h, f, addresses) for h, f in facts.items()}))
