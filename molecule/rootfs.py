@@ -2,11 +2,11 @@
 
 A provisioning role really installs packages, so its test host cannot share this machine's `/` the
 way the training tests' hosts do. Each such host gets an overlay over one cached, debootstrapped
-Debian 12 (minbase + what a fresh cloud image has: python3, python3-apt, openssh-server, iproute2,
+Debian 12 or 13 (minbase + what a fresh cloud image has: python3, python3-apt, openssh-server, iproute2,
 and python3-psutil for ugro's host modules), and reaches Debian's packages only through an
 apt-cacher-ng proxy that the testbed runs on its bridge address: the hosts have no route out.
 
-    python molecule/rootfs.py build      # build the cache now (~3 min once; testbed up does it too)
+    python molecule/rootfs.py build [13]  # build the cache of Debian 12 (or 13) now (~3 min once; up does it too)
 
 The cache lives in /var/cache/ugro-testbed (UGRO_TESTBED_CACHE overrides it), keyed by the package
 list, and is built in a temporary directory and renamed into place, so a half-built one is never used.
@@ -26,7 +26,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-SUITE = "bookworm"
+# The Debian releases a test host may run, by version: 12 has Python 3.11, 13 has Python 3.13.
+SUITES = {"12": "bookworm", "13": "trixie"}
 MIRROR = "http://deb.debian.org/debian"
 # What a fresh Debian/Ubuntu cloud image already has, and Ansible needs, beyond minbase; and psutil,
 # which ugro's host modules need (on a real host the roles that call them install python3-psutil).
@@ -45,8 +46,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
 
 
-def _key() -> str:
-    spec = f"{SUITE} minbase {','.join(PACKAGES)} v1"
+def _key(suite: str) -> str:
+    spec = f"{suite} minbase {','.join(PACKAGES)} v1"
     return hashlib.sha256(spec.encode()).hexdigest()[:10]
 
 
@@ -77,9 +78,12 @@ def _apt_install(*packages: str) -> None:
             raise RootfsError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-2000:]}")
 
 
-def ensure_base(log: Path | None = None) -> Path:
-    """The cached Debian 12 root filesystem (read-only lower layer); built first if missing."""
-    base = cache_dir() / f"debian12-{_key()}"
+def ensure_base(debian: str = "12", log: Path | None = None) -> Path:
+    """The cached root filesystem of Debian `debian` (12 or 13; a read-only lower layer); built first if missing."""
+    if debian not in SUITES:
+        raise RootfsError(f"Debian {debian!r} is not a test host release: one of {', '.join(SUITES)}")
+    suite = SUITES[debian]
+    base = cache_dir() / f"debian{debian}-{_key(suite)}"
     if (base / ".complete").is_file():
         return base / "root"
     with _locked(cache_dir() / ".lock"):
@@ -89,11 +93,11 @@ def ensure_base(log: Path | None = None) -> Path:
         tmp = cache_dir() / f".building-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
         started = time.monotonic()
-        print(f"testbed: debootstrapping Debian 12 into {base} (a few minutes, once)", file=sys.stderr)
+        print(f"testbed: debootstrapping Debian {debian} into {base} (a few minutes, once)", file=sys.stderr)
         try:
             with open(log or tmp / "debootstrap.log", "w") as out:
                 proc = subprocess.run(
-                    ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE,
+                    ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", suite,
                      str(tmp / "root"), MIRROR],
                     stdout=out, stderr=subprocess.STDOUT, check=False,
                 )  # fmt: skip
@@ -221,11 +225,11 @@ def bwrap_argv(bwrap: str, root: Path, name: str, info_fd: int) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if argv[1:] != ["build"]:
+    if argv[1:2] != ["build"] or len(argv) > 3:
         print(__doc__, file=sys.stderr)
         return 2
     try:
-        print(ensure_base())
+        print(ensure_base(*argv[2:3]))
     except RootfsError as exc:
         print(f"rootfs: {exc}", file=sys.stderr)
         return 1

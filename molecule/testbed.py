@@ -629,6 +629,7 @@ def _write_rootfs_inventory(state: dict[str, Any]) -> None:
             "ugro_cluster_address": h["address"],
             "testbed_interface": h["interface"],
             "testbed_namespace": h["namespace"],
+            "testbed_debian": h.get("debian", "12"),
         }
         for h in state["hosts"]
     }
@@ -644,7 +645,7 @@ def _write_rootfs_inventory(state: dict[str, Any]) -> None:
     }
     inventory = {"all": {"vars": group_vars, "children": {"ugro_cluster": {"hosts": hosts}}}}
     header = (
-        "# Written by molecule/testbed.py: test hosts with their own Debian 12 root filesystem\n"
+        "# Written by molecule/testbed.py: test hosts with their own Debian root filesystem\n"
         "# (network namespaces + bubblewrap + overlay + sshd), packages through the apt proxy.\n"
     )
     (directory / "inventory.yml").write_text(header + "---\n" + yaml.safe_dump(inventory, sort_keys=False))
@@ -769,7 +770,7 @@ def _prepare_rootfs_host(state: dict[str, Any], host: dict[str, Any], pubkey: st
         path.mkdir(parents=True, mode=0o755)
     state["mounts"].append(str(paths["root"]))
     _write_state(state)
-    layers = f"lowerdir={state['rootfs']},upperdir={paths['upper']},workdir={paths['work']}"
+    layers = f"lowerdir={host.get('lower', state['rootfs'])},upperdir={paths['upper']},workdir={paths['work']}"
     _run("mount", "-t", "overlay", f"ugro-{host['name']}-{state['suffix']}", "-o", layers, str(paths["root"]))
     config = _sshd_config(host["address"], ("ed25519", "rsa"))
     _sibling("rootfs").prepare_root(paths["root"], host["name"], config, pubkey, state["apt_proxy"])
@@ -794,10 +795,11 @@ def up(
     install: bool = True,
     timeout_s: float = 20.0,
     rootfs: bool = False,
+    debian: Sequence[str] = ("12",),
 ) -> Testbed:
     """Bring up `hosts` testbed hosts tb1..tbN; on any failure undo everything and raise TestbedError.
 
-    With `rootfs`, every host has a Debian 12 root filesystem of its own (an overlay over a cached
+    With `rootfs`, every host has a Debian root filesystem of its own (an overlay over a cached
     debootstrap) instead of sharing this machine's, its packages come through an apt proxy on the
     bridge, and a local apt repository with dummy NVIDIA packages is served beside it: what the
     provisioning roles' Molecule scenarios need. The bridge also gets an address outside the subnet
@@ -831,16 +833,19 @@ def up(
     reclaim_dead(net)
     _check_subnet_free(net)
     base = None
+    lowers: dict[str, str] = {}
     if rootfs:
         reclaim_dead(outside)
         _check_subnet_free(outside)
         try:
-            base = _sibling("rootfs").ensure_base()
+            lowers = {release: str(_sibling("rootfs").ensure_base(release)) for release in dict.fromkeys(debian)}
+            base = lowers[debian[0]]
             _sibling("rootfs").ensure_proxy_tools()
         except RuntimeError as exc:
             raise TestbedError(str(exc)) from exc
 
     suffix = _suffix(directory)
+    releases = [debian[(i - 1) % len(debian)] for i in range(1, hosts + 1)]
     host_list = [
         {
             "name": f"tb{i}",
@@ -848,6 +853,7 @@ def up(
             "interface": ifnames[(i - 1) % len(ifnames)],
             "namespace": f"ugro-tb{i}-{suffix}",
             "veth": f"ugv{i}-{suffix}",
+            **({"debian": releases[i - 1], "lower": lowers[releases[i - 1]]} if base else {}),
         }
         for i in range(1, hosts + 1)
     ]
@@ -1095,8 +1101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_up.add_argument(
         "--rootfs",
         action="store_true",
-        help="give every host its own Debian 12 root filesystem, an apt proxy and the local apt repo",
+        help="give every host its own Debian root filesystem, an apt proxy and the local apt repo",
     )
+    p_up.add_argument("--debian", default="12",
+                      help="with --rootfs, the Debian release of each host, in rotation: 12 (Python 3.11), "
+                      "13 (Python 3.13); e.g. 12,13 (default 12)")  # fmt: skip
     p_down = sub.add_parser("down", help="stop the test hosts and remove everything up made")
     p_down.add_argument("--dir", default=DEFAULT_DIR, help=f"testbed directory (default {DEFAULT_DIR})")
     args = parser.parse_args(argv)
@@ -1105,7 +1114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "up":
             started = time.monotonic()
             bed = up(args.dir, args.hosts, args.subnet, args.ifnames.split(","),
-                     install=not args.no_install, timeout_s=args.timeout, rootfs=args.rootfs)  # fmt: skip
+                     install=not args.no_install, timeout_s=args.timeout, rootfs=args.rootfs,
+                     debian=args.debian.split(","))  # fmt: skip
             for line in _iter_summary(bed):
                 print(line)
             print(f"({time.monotonic() - started:.1f} s)")
