@@ -102,6 +102,36 @@ def _judge(facts: dict[str, dict[str, Any]], backend: str = "auto") -> Report:
     return judge_fast(reports, {}, hosts, hosts[0], addresses, 29500, "h" * 64, {}, Thresholds(), backend=backend)
 
 
+def test_nodes_may_run_different_pythons_that_have_a_lock_and_unsloth_only_where_there_is_a_gpu() -> None:
+    facts = {
+        "debian12": _facts("2.13.0", None),
+        "debian13": _facts("2.13.0", None),
+        "old": _facts("2.13.0", None),
+        "gpu": _facts("2.13.0", unsloth="2026.10.1"),
+        "gpu-bare": _facts("2.13.0"),
+    }
+    for host, version in {"debian12": "3.11.2", "debian13": "3.13.5", "old": "3.10.12"}.items():
+        facts[host]["versions"]["python"] = version
+    report = _judge(facts)
+    python = report.row("python").cells
+    assert {h: c.status for h, c in python.items()} == {
+        "debian12": "PASS", "debian13": "PASS", "old": "FAIL", "gpu": "PASS", "gpu-bare": "PASS"
+    }  # fmt: skip
+    assert "old runs Python 3.10.12, which has no lock" in python["old"].cause
+    assert "3.11, 3.12, 3.13" in python["old"].cause
+    unsloth = report.row("unsloth").cells
+    assert {h: (c.status, c.detail) for h, c in unsloth.items()} == {
+        "debian12": ("PASS", "not installed (no GPU)"),
+        "debian13": ("PASS", "not installed (no GPU)"),
+        "old": ("PASS", "not installed (no GPU)"),
+        "gpu": ("PASS", "2026.10.1"),
+        "gpu-bare": ("WARN", "not installed"),
+    }
+    assert "gpu.txt" in unsloth["gpu-bare"].fix
+    facts["gpu-bare"]["versions"]["unsloth"] = "2026.9.1"
+    assert _judge(facts).row("unsloth").cells["gpu-bare"].status == "FAIL"
+
+
 REFERENCE = {  # the reference cluster: RTX 5070 Ti 12 GB master, RTX 4070 and RTX 3070 Ti 8 GB
     "master": ("NVIDIA GeForce RTX 5070 Ti", "12.0"),
     "node4070": ("NVIDIA GeForce RTX 4070", "8.9"),

@@ -342,6 +342,45 @@ def _clock_row(reports: dict[str, dict[str, Any]], rendezvous: str, t: Threshold
     return check
 
 
+def _python_row(facts: dict[str, dict[str, Any]]) -> Check:
+    """Each host's Python must have a lock: every lock pins the same versions, so Pythons may differ by host."""
+    check = Check("python")
+    supported = sorted(p.parent.name.removeprefix("py") for p in locks.LOCKS.glob("py3.*/node.txt"))
+    for host, f in facts.items():
+        version = str(f["versions"].get("python") or "?")
+        minor = ".".join(version.split(".")[:2])
+        if minor in supported:
+            check.cells[host] = Cell("PASS", version)
+        else:
+            check.cells[host] = Cell(
+                "FAIL",
+                version,
+                f"{host} runs Python {version}, which has no lock (requirements/locks: {', '.join(supported)})",
+                f"install one of Python {', '.join(supported)} on {host}, set python_env_interpreter to it and run "
+                "make provision",
+            )
+    return check
+
+
+def _unsloth_row(facts: dict[str, dict[str, Any]], values: dict[str, str | None], rendezvous: str, fix: str) -> Check:
+    """unsloth where it is installed must be one version; a host without it is fine unless it has a GPU."""
+    installed: dict[str, str | None] = {h: v for h, v in values.items() if v}
+    check = _same_everywhere("unsloth", installed, rendezvous, fix) if installed else Check("unsloth")
+    for host in values:
+        if host in installed:
+            continue
+        if facts[host].get("gpu", {}).get("gpus"):
+            check.cells[host] = Cell(
+                "WARN",
+                "not installed",
+                f"{host} has a GPU but no unsloth: it trains with transformers + peft",
+                f"make provision ANSIBLE_ARGS='--limit {host}' (a GPU host gets requirements/locks/py3.X/gpu.txt)",
+            )
+        else:
+            check.cells[host] = Cell("PASS", "not installed (no GPU)")
+    return check
+
+
 def lock_cuda() -> tuple[str | None, str]:
     """The CUDA runtime of the node lock (what torch runs on the GPU hosts), or None and why not."""
     try:
@@ -554,16 +593,17 @@ def judge_fast(
 
     facts = {h: r["host"] for h, r in ok.items()}
     report.checks.append(_running_row(facts))
-    for row in VERSION_ROWS:
+    report.checks.append(_python_row(facts))
+    for row in VERSION_ROWS[1:]:
         values = {h: f["versions"].get(row) for h, f in facts.items()}
-        if row == "python":
-            fix = "rebuild the venv of {host} with Python {ref} (make provision)"
+        fix = (
+            "install " + row.replace(" ", "-") + " {ref} on {host}: make provision"
+            " (its venv gets requirements/locks/py3.X/node.txt, + gpu.txt on a GPU host)"
+        )
+        if row == "unsloth":
+            report.checks.append(_unsloth_row(facts, values, rendezvous, fix))
         else:
-            fix = (
-                "install " + row.replace(" ", "-") + " {ref} on {host}: make provision"
-                " (its venv gets requirements/locks/py3.X/node.txt, + gpu.txt on a GPU host)"
-            )
-        report.checks.append(_same_everywhere(row, values, rendezvous, fix))
+            report.checks.append(_same_everywhere(row, values, rendezvous, fix))
 
     code = Check("train code")
     for host, f in facts.items():
