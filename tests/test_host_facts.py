@@ -121,10 +121,14 @@ def test_an_nvidia_smi_without_compute_cap_still_lists_the_gpus(tmp_path: Path) 
 
 def test_versions_are_the_job_pythons_without_importing_torch() -> None:
     facts = _facts(gather_subset=["versions"], python=sys.executable)
+    import importlib.metadata
+
     import torch
     import transformers
 
-    assert facts["versions"]["torch"] == torch.__version__
+    # The wheel's metadata: the registry's CUDA build says 2.13.0 there and 2.13.0+cu130 in torch.__version__.
+    assert facts["versions"]["torch"] == importlib.metadata.version("torch")
+    assert torch.__version__.split("+")[0] == facts["versions"]["torch"]
     assert facts["versions"]["transformers"] == transformers.__version__
     assert facts["versions"]["python"] == facts["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
     assert facts["versions"]["cuda runtime"] == torch.version.cuda
