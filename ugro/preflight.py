@@ -61,7 +61,7 @@ def backend_problems(facts: dict[str, dict[str, Any]], backend: str) -> list[str
             choice = stack.backend(ccs, found.get("gpu", {}).get("driver"), cuda, installed, backend)
         elif not gpus:  # no lock to judge the GPU by: what the host has is all there is to go on
             choice = stack.Backend(
-                "hf", "cpu", "model.backend 'unsloth' needs CUDA, and there is no NVIDIA GPU", "no gpu"
+                "hf", "cpu", "model.backend 'unsloth' needs CUDA, and this host has no NVIDIA GPU", "no gpu"
             )
         else:
             choice = stack.Backend("unsloth", "cuda", "", None if installed else "no unsloth")

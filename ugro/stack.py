@@ -198,7 +198,7 @@ def backend(
     ``model.backend`` (auto, unsloth or hf)."""
     if not ccs:
         if requested == "unsloth":
-            return Backend("hf", "cpu", "model.backend 'unsloth' needs CUDA, and there is no NVIDIA GPU", "no gpu")
+            return Backend("hf", "cpu", "model.backend 'unsloth' needs CUDA, and this host has no NVIDIA GPU", "no gpu")
         return Backend("hf", "cpu", "no NVIDIA GPU: transformers + peft on CPU")
     floor = min_driver(cuda)  # an unknown CUDA runtime is an error, not a verdict
     if not _at_least(driver, floor):
