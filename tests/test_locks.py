@@ -9,9 +9,7 @@ or records a hash the registry does not serve, fails here.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -79,15 +77,10 @@ def _resolve(python: str, role: str) -> tuple[dict[str, locks.Pin], dict[str, lo
     """(what the registry resolves from the lock files' own pins, what they lock) for one host's set."""
     files = [_lock(python, "node")] + ([_lock(python, role)] if role != "node" else [])
     locked = {name: pin for path in files for name, pin in locks.read(path).items()}
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "PIP_"))}
-    proc = subprocess.run(
-        [locks.uv(), "pip", "compile", "--no-config", "--python-platform", locks.PLATFORM, "--python-version",
-         python, "--only-binary", ":all:", "--generate-hashes", "--no-header", "--no-annotate", "--quiet",
-         *map(str, files)],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"Python {python}, {role}: the locks do not resolve:\n{proc.stderr[-3000:]}"
-    return locks.parse(proc.stdout), locked
+    try:
+        return locks.compile_set(files, python), locked  # --no-config, no UV_* / PIP_* variable
+    except locks.LockError as exc:
+        pytest.fail(f"Python {python}, {role}: the locks do not resolve:\n{str(exc)[-3000:]}")
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ node + gpu and of node + controller, same versions, which `check` asserts.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -117,7 +118,9 @@ def compile_set(inputs: Iterable[Path], python: str, constraints: dict[str, Pin]
             path = Path(tmp) / "constraints.txt"
             path.write_text("".join(f"{pin.name}=={pin.version}\n" for pin in constraints.values()))
             cmd += ["--constraints", str(path)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        # Nor any UV_* / PIP_* setting of this machine's environment (an index, find-links, constraints).
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "PIP_"))}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
     if proc.returncode != 0:
         raise LockError(f"{' '.join(cmd)}\n{proc.stderr.strip()}")
     return parse(proc.stdout)

@@ -56,14 +56,10 @@ def backend_problems(facts: dict[str, dict[str, Any]], backend: str) -> list[str
     for host, found in facts.items():
         gpus = found.get("gpu", {}).get("gpus") or []
         installed = bool(found.get("versions", {}).get("unsloth"))
-        if cuda is not None:
+        if cuda is not None or not gpus:  # without GPUs the lock's CUDA runtime is never consulted
             ccs = [g.get("compute_cap") for g in gpus]
-            choice = stack.backend(ccs, found.get("gpu", {}).get("driver"), cuda, installed, backend)
-        elif not gpus:  # no lock to judge the GPU by: what the host has is all there is to go on
-            choice = stack.Backend(
-                "hf", "cpu", "model.backend 'unsloth' needs CUDA, and this host has no NVIDIA GPU", "no gpu"
-            )
-        else:
+            choice = stack.backend(ccs, found.get("gpu", {}).get("driver"), cuda or "", installed, backend)
+        else:  # no lock to judge the GPU by: what the host has is all there is to go on
             choice = stack.Backend("unsloth", "cuda", "", None if installed else "no unsloth")
         if choice.problem == "no unsloth":
             problems.append(

@@ -240,7 +240,7 @@ def policy(requested: str, cuda: str) -> str:
         return f"model.backend 'unsloth': every host needs unsloth and {usable}; preflight refuses any other host"
     return (
         f"model.backend 'auto': unsloth on a host with unsloth installed and {usable}; transformers + peft (hf) "
-        "elsewhere, on CPU with gloo where there is no usable GPU. make preflight names each host's"
+        "elsewhere, on CPU with gloo where there is no usable GPU (make preflight names each host's)"
     )
 
 
@@ -272,15 +272,19 @@ def lock_pins(lock: Path) -> dict[str, str]:
     return merged
 
 
-def lock_cuda_runtime(lock: Path) -> str:
-    """The CUDA runtime (major.minor) torch runs with on the nodes: the lock's nvidia-cuda-runtime wheel."""
-    pins = lock_pins(lock)
+def _runtime_pin(pins: dict[str, str], lock: Path) -> str:
+    """The version of the CUDA runtime wheel among a lock's pins (13.0.96)."""
     for name in RUNTIME_WHEELS:
         if name in pins:
-            return major_minor(pins[name])
+            return pins[name]
     raise StackError(
         f"{lock}: no {RUNTIME_WHEELS[0]} pin, so no CUDA runtime to check a driver against (a CPU-only torch lock?)"
     )
+
+
+def lock_cuda_runtime(lock: Path) -> str:
+    """The CUDA runtime (major.minor) torch runs with on the nodes: the lock's nvidia-cuda-runtime wheel."""
+    return major_minor(_runtime_pin(lock_pins(lock), lock))
 
 
 def pinned_driver() -> str:
@@ -297,12 +301,12 @@ class Verdict:
 def check_driver(driver: str, lock: Path) -> Verdict:
     """Whether driver ``driver`` runs the CUDA runtime of ``lock``; the message names both versions and the fix."""
     pins = lock_pins(lock)
-    cuda = lock_cuda_runtime(lock)
+    runtime = _runtime_pin(pins, lock)
+    cuda = major_minor(runtime)
     lock = lock.resolve()
     shown = lock.relative_to(REPO) if lock.is_relative_to(REPO) else lock
     floor = min_driver(cuda)
     torch = pins.get("torch", "?")
-    runtime = next(pins[n] for n in RUNTIME_WHEELS if n in pins)
     if driver_ok(driver, cuda):
         return Verdict(True, f"driver {driver} runs CUDA {cuda} (torch {torch}, cudart {runtime}; needs >= {floor})")
     suggestion = pinned_driver()
