@@ -32,7 +32,7 @@ def _yaml(path: Path) -> dict[str, Any]:
 
 
 def test_the_role_keeps_no_list_of_knobs_of_its_own() -> None:
-    tasks = (ROLE / "tasks" / "preflight.yml").read_text()
+    tasks = (ROLE / "tasks" / "validate.yml").read_text()
     assert "train.config import ConfigError, check_profile" in tasks
     assert not (ROLE / "vars").exists()
     for key in RankLocalConfig.model_fields:  # the knobs appear nowhere in the role's tasks
