@@ -29,8 +29,8 @@ help:
 	@echo "make dashboard [INVENTORY=...]   live view of every node's exporter (GPUs, job, loss, per-rank balance); q quits"
 	@echo "make prometheus-config [INVENTORY=...]   runs/monitoring/prometheus.yml: a Prometheus scrape config of every exporter"
 	@echo "make validate        check a job file without starting anything"
-	@echo "make export-slurm [JOB=...] [NODES=2] [RESUME=auto] [SLURM_ARGS=...]   an sbatch script for the job (runs/<job-id>/slurm/)"
-	@echo "make export-k8s [JOB=...] [NODES=2|gpu_12gb=1,gpu_8gb=2] [K8S_ARGS=...]   a Kubernetes manifest: indexed Jobs + headless Service"
+	@echo "make slurm-script [JOB=...] [NODES=2] [RESUME=auto] [SLURM_ARGS=...]   an sbatch script for the job (runs/<job-id>/slurm/)"
+	@echo "make k8s-manifest [JOB=...] [NODES=2|gpu_12gb=1,gpu_8gb=2] [K8S_ARGS=...]   a Kubernetes manifest: indexed Jobs + headless Service"
 	@echo "make lint            ansible-lint (production profile) and ruff"
 	@echo "make lock            regenerate requirements/locks/py3.X/{node,gpu,controller}.txt from requirements/*.in (pinned uv, registry only)"
 
@@ -73,18 +73,22 @@ export: venv
 validate: venv
 	$(UGRO) validate --job $(JOB)
 
-# The same job under a batch scheduler (README "Beyond the LAN"): an sbatch script in runs/<job-id>/slurm/
+# The same job under a batch scheduler (docs/schedulers.md): an sbatch script in runs/<job-id>/slurm/
 # (submit it with sbatch), or a Kubernetes manifest in runs/<job-id>/k8s/. NODES: SLURM nodes, or pods (a
-# number, or profile=count,... per memory profile); SLURM_ARGS / K8S_ARGS: further options (ugro export-slurm --help).
+# number, or profile=count,... per memory profile); SLURM_ARGS / K8S_ARGS: further options (ugro slurm-script --help).
 NODES      ?= 2
 SLURM_ARGS ?=
 K8S_ARGS   ?=
-.PHONY: export-slurm export-k8s
-export-slurm: venv
-	$(UGRO) export-slurm --job $(JOB) --nodes $(NODES) --resume $(RESUME) $(SLURM_ARGS)
+.PHONY: slurm-script k8s-manifest export-slurm export-k8s
+slurm-script: venv
+	$(UGRO) slurm-script --job $(JOB) --nodes $(NODES) --resume $(RESUME) $(SLURM_ARGS)
 
-export-k8s: venv
-	$(UGRO) export-k8s --job $(JOB) --nodes $(NODES) $(K8S_ARGS)
+k8s-manifest: venv
+	$(UGRO) k8s-manifest --job $(JOB) --nodes $(NODES) $(K8S_ARGS)
+
+# The names these targets had before "export" came to mean the trained model only (make export).
+export-slurm: slurm-script
+export-k8s: k8s-manifest
 
 # Every node's exporter (role exporter) on one screen; `q` quits.
 dashboard: venv
@@ -96,8 +100,8 @@ prometheus-config: venv
 
 lint: venv
 	$(VENV)/bin/ansible-lint --profile production
-	$(VENV)/bin/ruff check train ugro library bench tests models molecule data
-	$(VENV)/bin/ruff format --check train ugro library bench tests models molecule data
+	$(VENV)/bin/ruff check train ugro library bench tests models molecule data tools
+	$(VENV)/bin/ruff format --check train ugro library bench tests models molecule data tools
 
 typecheck: venv
 	$(VENV)/bin/mypy
@@ -145,7 +149,7 @@ testbed-down:
 # Every lock from its .in, for every Python a node may run (requirements/locks/py3.X/), with the pinned uv
 # from the registry alone (~1 min, mostly the index's answers).
 lock: venv
-	$(PY) -m ugro.locks
+	$(PY) -m tools.lock
 
 clean:
 	rm -rf runs .pytest_cache

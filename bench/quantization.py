@@ -25,7 +25,7 @@ from rich.table import Table
 
 from bench.bench import _free_port
 from train.metrics import read_eval, read_metrics
-from ugro import basemodel
+from ugro.model import basemodel
 
 REPO = Path(__file__).resolve().parent.parent
 console = Console(width=160)

@@ -44,7 +44,7 @@ KEYRING_PATH = "/usr/share/keyrings/cuda-archive-keyring.gpg"
 KEYRING_VERSION = "1.1-1"
 KEYRING_DEB = f"cuda-keyring_{KEYRING_VERSION}_all.deb"
 
-# The driver: one branch, R580 (what CUDA 13.0 needs, ugro/stack.py; open kernel modules for RTX 50), a
+# The driver: one branch, R580 (what CUDA 13.0 needs, ugro/stack/cuda.py; open kernel modules for RTX 50), a
 # pinned and a newer release. The pinned one must pass the nvidia_driver role's check against the lock.
 DRIVER_PINNED = "580.159.03"
 DRIVER_NEWER = "580.173.02"

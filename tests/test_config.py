@@ -26,7 +26,7 @@ def test_default_job_is_the_real_model_with_a_held_out_set() -> None:
 
 
 def test_a_held_out_question_also_trained_on_is_named(tmp_path: Path) -> None:
-    from ugro.jobcheck import check_data
+    from ugro.checks.jobcheck import check_data
 
     train = tmp_path / "train.jsonl"
     train.write_text('{"instruction": "Which port?", "output": "29500"}\n{"instruction": "Why?", "output": "x"}\n')

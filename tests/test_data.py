@@ -108,7 +108,7 @@ def test_a_bad_record_is_named_by_file_and_line(tmp_path: Path, lines: str, fmt:
 def test_chat_template_labels_only_the_answer_and_its_end_token() -> None:
     from transformers import AutoTokenizer
 
-    from ugro.basemodel import ensure
+    from ugro.model.basemodel import ensure
 
     ensure(REPO / "models" / "smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(str(REPO / "models" / "smollm2-135m-instruct"))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import PYTHON, REPO, run_env
 
-from ugro import doctor
+from ugro.checks import doctor
 
 FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
 

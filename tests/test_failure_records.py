@@ -20,7 +20,7 @@ from conftest import REPO, run_env, torchrun_cmd, write_job
 
 from train.config import ConfigError
 from train.failure import NonFiniteError, Stopped, kind_of
-from ugro import recovery
+from ugro.run import recovery
 
 HOST = os.uname().nodename
 

@@ -1,4 +1,4 @@
-"""`ugro export-k8s`: the manifest, validated offline against Kubernetes' own schemas, checked where it
+"""`ugro k8s-manifest`: the manifest, validated offline against Kubernetes' own schemas, checked where it
 matters (torchrun, the node rank from the completion index, the rendezvous host), and its pods' command
 run by bash with a stand-in Python. It has not run on a real Kubernetes cluster."""
 
@@ -15,7 +15,7 @@ import yaml
 from conftest import REPO, write_job
 
 from train.config import ConfigError, load_job, load_profile
-from ugro import k8s, profile_map
+from ugro.schedulers import k8s, profile_map
 
 MAP = REPO / "jobs" / "profile-map.yml"
 DEFAULT_JOB = REPO / "jobs" / "default.yaml"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ugro import locks
+from tools import lock as locks
 
 ROLES = ("node", "gpu", "controller")
 # torch 2.13.0 for Linux x86-64 is the CUDA 13.0 build: these are among what it needs to import.

@@ -32,8 +32,8 @@ import yaml
 from conftest import PYTHON, REPO, run_env, small_job, unavailable
 
 from train.metrics import plot_loss, rank_figures, write_rank_status
-from ugro import monitor
 from ugro.module_utils import ugro_exporter
+from ugro.monitoring import monitor
 
 GRAFANA = REPO / "ugro" / "monitoring" / "grafana-dashboard.json"
 EXPORTER_ON_HOST = "/opt/ugro-exporter/ugro_exporter.py"
@@ -330,7 +330,7 @@ def _prometheus(port: int, path: str, **params: str) -> Any:
 async def _drive_dashboard(targets: list[monitor.Target], stop_tb3: Callable[[], None]) -> dict[str, Any]:
     from textual.widgets import DataTable, Static
 
-    from ugro.dashboard import Dashboard
+    from ugro.monitoring.dashboard import Dashboard
 
     app = Dashboard(targets, interval_s=1.0, source="monitored.yml")
     seen: dict[str, Any] = {}

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from conftest import REPO, WHY_NOT, cli, load_testbed_module, newest_run, remove_job, small_job, unavailable
 
-from ugro import locks
+from ugro.stack import lockfile as locks
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,15 @@ import yaml
 from conftest import PYTHON, REPO, free_port, run_env, run_module, small_job
 
 from train.tools.allreduce import bus_bandwidth
-from ugro.preflight_checks import Cell, Report, Thresholds, _ephemeral_row, _ifname_matches, _memory_cell, judge_fast
+from ugro.checks.preflight_checks import (
+    Cell,
+    Report,
+    Thresholds,
+    _ephemeral_row,
+    _ifname_matches,
+    _memory_cell,
+    judge_fast,
+)
 
 
 def _cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
@@ -201,7 +209,7 @@ def test_the_backend_row_names_what_each_host_runs() -> None:
     assert "needs CUDA" in forced["laptop"].cause and "model.backend 'auto'" in forced["laptop"].fix
     assert "unsloth is not installed" in forced["plain"].cause and "gpu.txt" in forced["plain"].fix
     # make train refuses the same hosts, for the same reasons.
-    from ugro.preflight import backend_problems
+    from ugro.checks.preflight import backend_problems
 
     assert backend_problems(facts, "auto") == []
     refused = backend_problems(facts, "unsloth")
@@ -272,7 +280,7 @@ def test_memory_that_does_not_fit_names_the_knob() -> None:
 
 def test_a_fail_anywhere_fails_the_report_and_a_warn_does_not() -> None:
     """What `make train` refuses to launch on, and what the heavy phase is skipped for (network rows only)."""
-    from ugro.preflight_checks import Check
+    from ugro.checks.preflight_checks import Check
 
     report = Report(["a", "b"], "a", [Check("disk", {"a": Cell("PASS"), "b": Cell("WARN", "tight", "c", "f")})])
     assert not report.failed() and json.loads(report.to_json())["ok"] is True

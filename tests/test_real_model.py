@@ -13,7 +13,7 @@ import torch
 from conftest import REPO, run_env, torchrun, write_job
 
 from train.metrics import read_eval, read_metrics
-from ugro import basemodel
+from ugro.model import basemodel
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +96,7 @@ def test_export_merges_into_a_model_equal_to_base_plus_adapter(qlora_run: Path, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from ugro.export import export
+    from ugro.model.merge import export
 
     out = tmp_path / "merged"
     export(qlora_run / "adapter", out, REPO)

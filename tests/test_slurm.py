@@ -1,4 +1,4 @@
-"""`ugro export-slurm`: the sbatch script, checked as text and run for real under Debian's SLURM.
+"""`ugro slurm-script`: the sbatch script, checked as text and run for real under Debian's SLURM.
 
 The real test starts munged, slurmctld and one slurmd per host of the 3-host test cluster (each host
 its own hostname, address and PID namespace), submits the exported script with sbatch and checks:
@@ -29,7 +29,8 @@ from typer.testing import CliRunner
 
 from train.config import ConfigError, load_job, load_profile
 from train.metrics import read_metrics
-from ugro import cli, slurm
+from ugro import cli
+from ugro.schedulers import slurm
 
 MAP = REPO / "jobs" / "profile-map.yml"
 PYTHON = REPO / ".venv" / "bin" / "python"

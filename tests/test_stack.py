@@ -1,4 +1,4 @@
-"""One coherent GPU stack (ugro/stack.py): the pinned driver runs the lock's CUDA runtime, `make provision`
+"""One coherent GPU stack (ugro/stack/cuda.py): the pinned driver runs the lock's CUDA runtime, `make provision`
 refuses one that does not before any host changes, and the table's rules hold for the reference cluster's
 cards and for the cards torch's CUDA 13 build dropped. docs/stack.md states the versions the locks pin.
 """
@@ -14,7 +14,8 @@ import pytest
 import yaml
 from conftest import PYTHON, REPO, load_molecule_module, run_env
 
-from ugro import locks, stack
+from ugro.stack import cuda as stack
+from ugro.stack import lockfile as locks
 
 OLD_DRIVER = "570.172.08"  # the R570 pin of CUDA 12.8 days
 
@@ -105,7 +106,7 @@ def test_the_backend_is_what_the_host_really_runs() -> None:
 
 def _check_driver(driver: str, *lock: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [PYTHON, "-m", "ugro.stack", "check-driver", "--driver", driver, *lock],
+        [PYTHON, "-m", "ugro.stack.cuda", "check-driver", "--driver", driver, *lock],
         cwd=REPO,
         env=run_env(),
         capture_output=True,

@@ -1,7 +1,11 @@
-"""The controller: ``python -m ugro.cli train|validate``. The Makefile targets call this.
+"""The ``ugro`` command, which the Makefile's targets call: it parses the options and prints; the work is elsewhere.
 
-It validates the job before anything starts, runs the launch playbook through ansible-runner,
-follows the run's progress, and says where the results are.
+train, validate                    a job on the inventory's hosts (ugro/run/, ugro/checks/jobcheck.py)
+preflight, doctor                  checks before a launch and after a failure (ugro/checks/)
+status, logs, stop                 a running or finished job on its hosts (playbooks/)
+export                             the run's adapter merged into its base model (ugro/model/merge.py)
+dashboard, prometheus-config       watching the cluster (ugro/monitoring/)
+slurm-script, k8s-manifest         the same job under a batch scheduler (ugro/schedulers/)
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ from rich.table import Table
 
 from train.config import ConfigError, JobConfig, load_job
 from train.metrics import read_eval, read_metrics, read_samples
-from ugro import codesync, doctor, jobcheck, scheduler_cli, stack
-from ugro import preflight as preflight_run
-from ugro.cluster import InventoryError, read_cluster
-from ugro.launcher import REPO, PlaybookRun, run_playbook
-from ugro.preflight_checks import Thresholds, lock_cuda
-from ugro.supervisor import LaunchError, Supervisor, record
+from ugro.checks import doctor, jobcheck
+from ugro.checks import preflight as preflight_run
+from ugro.checks.preflight_checks import Thresholds, lock_cuda
+from ugro.hosts import codesync
+from ugro.hosts.inventory import InventoryError, read_cluster
+from ugro.hosts.playbook import REPO, PlaybookRun, run_playbook
+from ugro.run.supervisor import LaunchError, Supervisor
+from ugro.schedulers import render as schedulers
+from ugro.stack import cuda as stack
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ugro: LoRA fine-tuning across the GPUs of a LAN.")
 console = Console()
@@ -219,17 +226,9 @@ def train(
         raise typer.Exit(130) from None
     run_playbook("logs.yml", inventory, {"ugro_job_id": job_id, "ugro_rendezvous_host": outcome.main},
                  control / "ansible", limit=outcome.hosts)  # fmt: skip
-    record(run_dir, outcome)
+    outcome.record().write(run_dir)
     for restart in outcome.restarts:
-        cause = restart["cause"]
-        redone = restart.get("steps_redone", "?")
-        console.print(
-            f"[yellow]restart {restart['attempt']}:[/] {cause['kind']} on {cause['host']}"
-            f"{' rank ' + str(cause['rank']) if cause.get('rank') is not None else ''}: {cause['message']} -> "
-            f"relaunched on {', '.join(restart['hosts_after'])} from step {restart.get('resumed_from_step', '?')} "
-            f"({redone} steps redone)",
-            highlight=False,
-        )
+        console.print(f"[yellow]{restart.line()}[/]", highlight=False)
     if outcome.state != "finished":
         for host, state in outcome.statuses.items():
             code = f" (exit code {state['exit_code']})" if state.get("exit_code") is not None else ""
@@ -326,7 +325,7 @@ def export_cmd(
     out: Annotated[Path | None, typer.Option(help="where to write (default: runs/<job-id>/merged)")] = None,
 ) -> None:
     """Merge the run's LoRA adapter into its base model (safetensors + tokenizer), checked against base + adapter."""
-    from ugro import export
+    from ugro.model import merge as export
 
     run_dir = REPO / "runs" / _job_id(job_id)
     adapter = run_dir / "adapter"
@@ -350,8 +349,8 @@ def status(
 ) -> None:
     """Per host: running / finished / failed / stopped, step, last loss, process ids."""
     if run_dir is not None or (REPO / "runs" / _job_id(job_id) / "slurm").is_dir():
-        # A SLURM run (`ugro export-slurm`): read from its directory, no inventory (ugro/scheduler_cli.py).
-        raise typer.Exit(scheduler_cli.status(run_dir or REPO / "runs" / _job_id(job_id), console))
+        # A SLURM run (`ugro slurm-script`): read from its directory, no inventory (ugro/schedulers/render.py).
+        raise typer.Exit(schedulers.status(run_dir or REPO / "runs" / _job_id(job_id), console))
     job_id = _job_id(job_id)
     run = run_playbook("status.yml", inventory, {"ugro_job_id": job_id}, REPO / "runs" / ".control" / "status")
     table = Table(title=f"job {job_id}")
@@ -405,8 +404,8 @@ def dashboard(
     interval: Annotated[float, typer.Option(help="seconds between polls of the exporters")] = 2.0,
 ) -> None:
     """Live view of every node's exporter: GPUs or CPU, the job's progress, loss, per-rank balance; q quits."""
-    from ugro import dashboard as dash
-    from ugro.monitor import MonitorError
+    from ugro.monitoring import dashboard as dash
+    from ugro.monitoring.monitor import MonitorError
 
     try:
         dash.run(inventory, interval)
@@ -421,7 +420,7 @@ def prometheus_config_cmd(
     scrape_interval: Annotated[str, typer.Option(help="Prometheus scrape interval")] = "15s",
 ) -> None:
     """A Prometheus scrape configuration: every node's exporter, and node_exporter where the inventory sets one."""
-    from ugro.monitor import MonitorError, render_prometheus_config
+    from ugro.monitoring.monitor import MonitorError, render_prometheus_config
 
     try:
         text = render_prometheus_config(inventory, scrape_interval)
@@ -433,9 +432,12 @@ def prometheus_config_cmd(
                   f"{REPO / 'ugro' / 'monitoring' / 'grafana-dashboard.json'}", highlight=False)  # fmt: skip
 
 
-# The same job under a batch scheduler (ugro/scheduler_cli.py): an sbatch script, a Kubernetes manifest.
-app.command(name="export-slurm")(scheduler_cli.export_slurm)
-app.command(name="export-k8s")(scheduler_cli.export_k8s)
+# The same job under a batch scheduler (ugro/schedulers/render.py): an sbatch script, a Kubernetes manifest.
+app.command(name="slurm-script")(schedulers.slurm_script)
+app.command(name="k8s-manifest")(schedulers.k8s_manifest)
+# The names these had before "export" came to mean the model only; kept for users' scripts.
+app.command(name="export-slurm", hidden=True)(schedulers.slurm_script)
+app.command(name="export-k8s", hidden=True)(schedulers.k8s_manifest)
 
 
 def main() -> None:

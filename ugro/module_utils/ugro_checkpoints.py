@@ -3,7 +3,7 @@
 The trainer writes ``<run>/checkpoints/step-NNNNNN/{adapter/, state.pt, manifest.json}``, the manifest last
 (train/checkpoint.py, which checks its own writes with the same rule). Used by the host fact module
 (``gather_subset: checkpoint``: the newest intact checkpoint a host holds) and by the controller, which keeps
-its own verified copy of every checkpoint while it follows a run (ugro/replicas.py).
+its own verified copy of every checkpoint while it follows a run (ugro/run/replicas.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 SYNCED = ("train", "jobs", "models", "data", "requirements", "pyproject.toml")
 MANIFEST = ".ugro-code-manifest"
 SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
-MODEL_RECIPE = "ugro-model.yaml"  # a model directory converted from a wheel (ugro/basemodel.py)
+MODEL_RECIPE = "ugro-model.yaml"  # a model directory converted from a wheel (ugro/model/basemodel.py)
 
 
 def model_payload(file: Path) -> bool:

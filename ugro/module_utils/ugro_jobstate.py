@@ -2,7 +2,7 @@
 
 Shared by the host modules ``library/ugro_host_facts.py`` (the job's state) and ``library/ugro_job.py``
 (stopping it), which import it as ``ansible.module_utils.ugro_jobstate``, and by the controller's
-``ugro/follow.py``, which reads a run written into its own checkout (``ugro.module_utils.ugro_jobstate``).
+``ugro/run/follow.py``, which reads a run written into its own checkout (``ugro.module_utils.ugro_jobstate``).
 Standard library and psutil only (Debian's ``python3-psutil`` on a host).
 
 The launch script records the job's process group (``runs/<job>/hosts/<host>/launch.pid``); every rank

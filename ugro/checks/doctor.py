@@ -12,10 +12,11 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from ugro.run.records import RunRecord
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ KNOWN = (
 )
 
 
-# The fix for each kind of ending the ranks (train/failure.py) and the controller (ugro/recovery.py) record.
+# The fix for each kind of ending the ranks (train/failure.py) and the controller (ugro/run/recovery.py) record.
 FIXES = {
     "oom": "lower rank_local.micro_batch_size in that host's /etc/ugro/profile.yaml or set "
     "rank_local.gradient_checkpointing: true; make preflight measures the fit",
@@ -140,26 +141,19 @@ def _log_files(run_dir: Path) -> list[Path]:
     return files
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _recorded(run_dir: Path) -> list[Finding]:
     """The causes the run recorded: every restart's, and how it ended if it did not finish (run.json)."""
-    record = _read_json(run_dir / "run.json")
-    causes = [(f"run.json restarts[{i}]", r.get("cause") or {}) for i, r in enumerate(record.get("restarts") or [])]
-    if record.get("state") in ("failed", "stopped") and record.get("cause"):
-        causes.append(("run.json cause", record["cause"]))
+    record = RunRecord.read(run_dir)
+    if record is None:
+        return []
+    causes = [(f"run.json restarts[{i}]", r.cause) for i, r in enumerate(record.restarts)]
+    if record.state in ("failed", "stopped") and record.cause is not None:
+        causes.append(("run.json cause", record.cause))
     found = []
     for where, cause in causes:
-        kind = str(cause.get("kind") or "error")
-        rank = f" rank {cause['rank']}" if cause.get("rank") is not None else ""
-        found.append(Finding(str(cause.get("host") or "?"), kind, f"{kind}{rank}: {cause.get('message')}",
-                             FIXES.get(kind, FIXES["error"]), where))  # fmt: skip
+        rank = f" rank {cause.rank}" if cause.rank is not None else ""
+        found.append(Finding(cause.host, cause.kind, f"{cause.kind}{rank}: {cause.message}",
+                             FIXES.get(cause.kind, FIXES["error"]), where))  # fmt: skip
     return found
 
 

@@ -1,4 +1,4 @@
-"""The command line of the batch-scheduler exports: `ugro export-slurm`, `ugro export-k8s`, and the
+"""The command line of the batch-scheduler exports: `ugro slurm-script`, `ugro k8s-manifest`, and the
 status of a SLURM run read from its directory (`ugro status --run-dir`). ugro/cli.py registers them."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from rich.console import Console
 from rich.table import Table
 
 from train.config import ConfigError, load_job
-from ugro import jobcheck, k8s, slurm
-from ugro.launcher import REPO
+from ugro.checks import jobcheck
+from ugro.hosts.playbook import REPO
 from ugro.module_utils import ugro_jobstate
+from ugro.schedulers import k8s, slurm
 
 console = Console()
 err = Console(stderr=True)
@@ -45,7 +46,7 @@ def _show(path: Path) -> str:
         return str(path)
 
 
-def export_slurm(
+def slurm_script(
     job_file: JobOpt = Path("jobs/default.yaml"),
     nodes: Annotated[int, typer.Option(help="nodes of the allocation (#SBATCH --nodes)")] = 2,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node (--gres=gpu:N); 0: a CPU job")] = 0,
@@ -95,7 +96,7 @@ def export_slurm(
     say(f"  follow:  ugro status --run-dir {_show(done.run_dir)}    tail -f {_show(done.run_dir)}/hosts/*/torchrun.log")
 
 
-def export_k8s(
+def k8s_manifest(
     job_file: JobOpt = Path("jobs/default.yaml"),
     nodes: Annotated[
         str, typer.Option(help="pods: a number (all with --profile), or per profile: gpu_12gb=1,gpu_8gb=2")

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ugro.module_utils.ugro_exporter import RANK_FIELDS
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GROUP = "ugro_cluster"
 HISTORY = 240  # loss values kept for the sparklines
 

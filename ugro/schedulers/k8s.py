@@ -1,4 +1,4 @@
-"""`ugro export-k8s`: the job as Kubernetes objects of the core API (no operator, no custom resource).
+"""`ugro k8s-manifest`: the job as Kubernetes objects of the core API (no operator, no custom resource).
 
 * a ConfigMap with the job file and the memory profiles the pods use;
 * a headless Service whose name is the rendezvous host's DNS subdomain (``publishNotReadyAddresses``:
@@ -12,7 +12,7 @@ The run directory lives on a PersistentVolumeClaim (ReadWriteMany: every pod wri
 main pod its checkpoints), so deleting the Jobs and applying the manifest again resumes from the newest
 checkpoint (``--resume auto``). The image holds this repository at ``code_dir`` with the node lock
 installed in ``<code_dir>/.venv`` and the job's base model converted (`make export` of the model is not
-needed: ``python -m ugro.basemodel ensure <dir>`` before building the image).
+needed: ``python -m ugro.model.basemodel ensure <dir>`` before building the image).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from train.config import ConfigError, JobConfig
-from ugro import profile_map
+from ugro.schedulers import profile_map
 
 RUNS_MOUNT = "/runs"
 JOB_MOUNT = "/etc/ugro/job"
@@ -217,5 +217,5 @@ def manifest(job: JobConfig, job_file: Path, opts: K8sOptions, map_file: Path, j
 
 
 def dump(objects: list[dict[str, Any]]) -> str:
-    header = "# ugro job for Kubernetes, rendered by `ugro export-k8s`: kubectl apply -f <this file>\n"
+    header = "# ugro job for Kubernetes, rendered by `ugro k8s-manifest`: kubectl apply -f <this file>\n"
     return header + yaml.safe_dump_all(objects, sort_keys=False, explicit_start=True)

@@ -1,6 +1,6 @@
 """`make dashboard`: every node's exporter on one screen, in the terminal (Textual).
 
-Polls every host of the inventory over HTTP (ugro/monitor.py, all at once, each with its own timeout) and
+Polls every host of the inventory over HTTP (ugro/monitoring/monitor.py, all at once, each with its own timeout) and
 shows per host its GPUs, or its CPU, with utilization, memory, temperature and power; the job's progress
 with its ETA; loss and held-out loss as sparklines; per rank tokens/s, share of the batch and ready time
 (the balance at a glance). A host whose exporter does not answer a poll is marked OFFLINE at once (the
@@ -20,7 +20,7 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Footer, Header, Label, ProgressBar, Sparkline, Static
 
-from ugro.monitor import Cluster, HostView, Rank, Target
+from ugro.monitoring.monitor import Cluster, HostView, Rank, Target
 
 DASH = "-"
 BAR_WIDTH = 24
@@ -197,6 +197,6 @@ class Dashboard(App[None]):
 
 
 def run(inventory: Path, interval_s: float) -> None:
-    from ugro.monitor import targets
+    from ugro.monitoring.monitor import targets
 
     Dashboard(targets(inventory), interval_s, str(inventory)).run()

@@ -2,7 +2,7 @@
 
 Pure functions over the hosts' job states (ugro/module_utils/ugro_jobstate.py ``status``, one per host, with
 ``state`` "unreachable" where the host did not answer): no Ansible, no processes, so every rule is tested
-on its own (tests/test_recovery_policy.py).
+on its own (tests/test_failure_records.py).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ugro.run.records import Cause
 
 Statuses = Mapping[str, Mapping[str, Any]]
 
@@ -19,21 +21,6 @@ NOT_RESTARTABLE = frozenset({"config", "non_finite"})
 SECONDARY = ("collective", "stopped")
 # Polls in a row without an answer before a host counts as unreachable (one slow SSH login is not a fault).
 UNREACHABLE_POLLS = 2
-
-
-@dataclass(frozen=True)
-class Cause:
-    kind: str  # a rank's record kind (oom, collective, error, ...), or lost / unreachable / vanished
-    message: str
-    host: str
-    rank: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "message": self.message, "host": self.host, "rank": self.rank}
-
-    def line(self) -> str:
-        where = f"{self.host}" + (f" rank {self.rank}" if self.rank is not None else "")
-        return f"{self.kind} on {where}: {self.message}"
 
 
 @dataclass

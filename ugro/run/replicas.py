@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ugro.launcher import run_playbook
+from ugro.hosts.playbook import run_playbook
 from ugro.module_utils import ugro_checkpoints
 
 # The run's own records, which the host that continues a run appends to (train/metrics.py).

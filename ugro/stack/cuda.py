@@ -2,8 +2,8 @@
 build has kernels for, and the training backend a host really runs with what it has.
 
 Three places read it: `make provision` refuses a driver pin older than the lock's CUDA runtime needs
-(roles/nvidia_driver runs ``python -m ugro.stack check-driver`` on the controller before any host
-changes), preflight judges every GPU host's real driver and compute capability (ugro/preflight_checks.py),
+(roles/nvidia_driver runs ``python -m ugro.stack.cuda check-driver`` on the controller before any host
+changes), preflight judges every GPU host's real driver and compute capability (ugro/checks/preflight_checks.py),
 and `make validate` / `make preflight` say which backend each host runs. docs/stack.md has the sources.
 
 Rules, from NVIDIA's and PyTorch's own documents:
@@ -37,9 +37,9 @@ from typing import Literal
 
 import yaml
 
-from ugro import locks
+from ugro.stack import lockfile as locks
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # The driver `make provision` installs: role nvidia_driver's default (an inventory may set another).
 DRIVER_DEFAULTS = REPO / "roles" / "nvidia_driver" / "defaults" / "main.yml"
 # The node lock of every Python a node may run: they pin the same torch and the same CUDA runtime.
@@ -116,7 +116,7 @@ def min_driver(cuda: str) -> str:
     except KeyError:
         known = ", ".join(sorted(MIN_DRIVER))
         raise StackError(
-            f"CUDA {cuda} is not in ugro/stack.py's driver table (it knows {known}): add its minimum driver "
+            f"CUDA {cuda} is not in ugro/stack/cuda.py's driver table (it knows {known}): add its minimum driver "
             "from NVIDIA's CUDA toolkit release notes"
         ) from None
 
@@ -139,7 +139,7 @@ def torch_build(cuda: str) -> TorchBuild:
         return TORCH_BUILDS[major_minor(cuda)]
     except KeyError:
         raise StackError(
-            f"torch's CUDA {cuda} build is not in ugro/stack.py's architecture table: add its arch list "
+            f"torch's CUDA {cuda} build is not in ugro/stack/cuda.py's architecture table: add its arch list "
             "(torch.cuda.get_arch_list() on that build)"
         ) from None
 
@@ -323,7 +323,7 @@ def check_driver(driver: str, lock: Path) -> Verdict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ugro.stack", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ugro.stack.cuda", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check-driver", help="exit 1, naming both versions, when DRIVER cannot run the lock's CUDA")
     check.add_argument("--driver", required=True, help="an upstream driver version such as 580.173.02")
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         verdict = check_driver(args.driver, args.lock)
     except StackError as exc:
-        print(f"ugro.stack: {exc}", file=sys.stderr)
+        print(f"ugro.stack.cuda: {exc}", file=sys.stderr)
         return 2
     print(verdict.message)
     return 0 if verdict.ok else 1

@@ -3,7 +3,7 @@
 Pure functions over the ``preflight_report`` fact of every host (roles/preflight): ``host`` is what the
 host module ``ugro_host_facts`` gathered there (``ansible_facts.ugro_host``), ``network`` what
 ``ugro_net_probe`` measured (``listen``: label -> port, peers, error; ``connect``: one result per target),
-``error`` why a module failed. ugro/preflight.py runs the playbook and renders the result. Every
+``error`` why a module failed. ugro/checks/preflight.py runs the playbook and renders the result. Every
 non-PASS cell says its cause and its fix in one line each.
 """
 
@@ -15,7 +15,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from ugro import locks, stack
+from ugro.stack import cuda as stack
+from ugro.stack import lockfile as locks
 
 Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
 ORDER: dict[str, int] = {"PASS": 0, "SKIP": 1, "WARN": 2, "FAIL": 3}

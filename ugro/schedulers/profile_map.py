@@ -28,7 +28,7 @@ import yaml
 
 from train.config import ConfigError, JobConfig, apply_profile, check_profile
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MAP = Path("jobs/profile-map.yml")
 LAN_PROFILES = REPO / "roles" / "memory_profile" / "defaults" / "main.yml"
 KEYS = ("profiles", "match", "default", "node_selectors")

@@ -1,4 +1,4 @@
-"""`ugro export-slurm`: the job as an sbatch script, for a SLURM cluster with a shared filesystem.
+"""`ugro slurm-script`: the job as an sbatch script, for a SLURM cluster with a shared filesystem.
 
 The export writes into the run directory (``<runs>/<job-id>/slurm/``): ``job.sbatch`` (what you
 submit), ``node.sh`` (what srun starts on every node: torchrun, like the LAN's launch script),
@@ -20,7 +20,8 @@ from pathlib import Path
 import jinja2
 
 from train.config import ConfigError, JobConfig, load_job
-from ugro import jobcheck, profile_map
+from ugro.checks import jobcheck
+from ugro.schedulers import profile_map
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 PORT_BASE, PORT_SPAN = 29500, 1000

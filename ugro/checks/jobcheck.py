@@ -12,7 +12,7 @@ from pathlib import Path
 
 from train.config import ConfigError, JobConfig
 from train.data import Record, messages, read_checked
-from ugro import basemodel
+from ugro.model import basemodel
 
 
 @dataclass(frozen=True)

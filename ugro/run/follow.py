@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ugro.launcher import run_playbook
+from ugro.hosts.playbook import run_playbook
 from ugro.module_utils import ugro_jobstate
 
 Statuses = dict[str, dict[str, Any]]

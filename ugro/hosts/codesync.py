@@ -34,7 +34,7 @@ def pack(root: Path, archive: Path) -> str:
 def main(argv: list[str]) -> int:
     """``pack ROOT ARCHIVE``: write the archive and print its tree hash (what the Molecule scenario uses)."""
     if len(argv) != 3 or argv[0] != "pack":
-        print("usage: python -m ugro.codesync pack ROOT ARCHIVE", file=sys.stderr)
+        print("usage: python -m ugro.hosts.codesync pack ROOT ARCHIVE", file=sys.stderr)
         return 2
     print(pack(Path(argv[1]), Path(argv[2])))
     return 0

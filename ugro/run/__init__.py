@@ -1,0 +1,1 @@
+"""Running a job: following it, supervising it, recovering from a lost host, replicating checkpoints."""
