@@ -30,7 +30,9 @@ def test_only_the_roles_table_is_added(host: Any) -> None:
 def test_tb1_own_table_is_unchanged(host: Any) -> None:
     if host.backend.get_hostname() != "tb1":
         return
-    assert host.check_output("nft -s list table inet filter") == host.file("/root/ruleset.before").content_string.strip()
+    assert (
+        host.check_output("nft -s list table inet filter") == host.file("/root/ruleset.before").content_string.strip()
+    )
 
 
 def test_the_table_file_opens_the_ports_to_the_subnet_only(host: Any) -> None:
