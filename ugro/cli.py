@@ -6,6 +6,10 @@ status, logs, stop                 a running or finished job on its hosts (playb
 export                             the run's adapter merged into its base model (ugro/model/merge.py)
 dashboard, prometheus-config       watching the cluster (ugro/monitoring/)
 slurm-script, k8s-manifest         the same job under a batch scheduler (ugro/schedulers/)
+
+Runs go to runs/ of this repository, or to $UGRO_RUNS_DIR (a bigger disk; the tests' temporary directories):
+the controller's records, collected logs and results, runs/latest and the playbooks' private directories.
+Hosts that run this checkout itself (ugro_code_sync: false, inventory/local.yml) write their runs into its runs/.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from ugro.checks import preflight as preflight_run
 from ugro.checks.preflight_checks import Thresholds, lock_cuda
 from ugro.hosts import codesync
 from ugro.hosts.inventory import InventoryError, read_cluster
-from ugro.hosts.playbook import REPO, PlaybookRun, run_playbook
+from ugro.hosts.playbook import REPO, RUNS_ENV, PlaybookRun, run_playbook, runs_dir
 from ugro.run.supervisor import LaunchError, Supervisor
 from ugro.schedulers import render as schedulers
 from ugro.stack import cuda as stack
@@ -163,7 +167,7 @@ def _latest_link(run_dir: Path) -> None:
 def _job_id(job_id: str | None) -> str:
     if job_id:
         return job_id
-    link = REPO / "runs" / "latest"
+    link = runs_dir() / "latest"
     if not link.is_symlink():
         raise _fail("no job id given and runs/latest does not exist: pass --job-id (see runs/)")
     return os.readlink(link)
@@ -194,10 +198,13 @@ def train(
     if job.train.min_hosts > len(cluster.hosts):
         raise _fail(f"{job_file}: train.min_hosts is {job.train.min_hosts} but {inventory} has only "
                     f"{len(cluster.hosts)} host(s) in ugro_cluster; lower train.min_hosts")  # fmt: skip
+    runs = runs_dir()
+    if not cluster.remote and runs != REPO / "runs":
+        raise _fail(f"{RUNS_ENV}={runs}: the hosts of {inventory} run this checkout (ugro_code_sync: false) and "
+                    f"keep their runs in {REPO / 'runs'}; unset {RUNS_ENV} for them")  # fmt: skip
     _prepare_model(job)
     if not skip_preflight:
         _fast_preflight(inventory, job.model.backend)
-    runs = REPO / "runs"
     job_id = _pick_run(job, resume, runs)
     run_dir = runs / job_id
     control = run_dir / ".control"
@@ -224,8 +231,8 @@ def train(
     except KeyboardInterrupt:
         console.print(f"\ndetached: job {job_id} keeps running; `make status`, `make logs`, `make stop`")
         raise typer.Exit(130) from None
-    run_playbook("logs.yml", inventory, {"ugro_job_id": job_id, "ugro_rendezvous_host": outcome.main},
-                 control / "ansible", limit=outcome.hosts)  # fmt: skip
+    collect = {"ugro_job_id": job_id, "ugro_rendezvous_host": outcome.main, "ugro_runs_dir": str(runs)}
+    run_playbook("logs.yml", inventory, collect, control / "ansible", limit=outcome.hosts)
     outcome.record().write(run_dir)
     for restart in outcome.restarts:
         console.print(f"[yellow]{restart.line()}[/]", highlight=False)
@@ -249,7 +256,7 @@ def _preflight(
 ) -> preflight_run.Outcome:
     if not inventory.is_file():
         raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
-    control = REPO / "runs" / ".control" / "preflight"
+    control = runs_dir() / ".control" / "preflight"
     try:
         return preflight_run.preflight(inventory, control, thresholds, job_file, heavy, backend)
     except preflight_run.PreflightError as exc:
@@ -307,7 +314,7 @@ def doctor_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print the findings as JSON")] = False,
 ) -> None:
     """Explain a run's failure from its collected logs: host, cause and fix for each known failure."""
-    directory = run_dir if run_dir is not None else REPO / "runs" / _job_id(job_id)
+    directory = run_dir if run_dir is not None else runs_dir() / _job_id(job_id)
     if not directory.is_dir():
         raise _fail(f"{directory}: no such run directory (see runs/, or `make logs` to collect one)")
     findings = doctor.diagnose(directory)
@@ -327,7 +334,7 @@ def export_cmd(
     """Merge the run's LoRA adapter into its base model (safetensors + tokenizer), checked against base + adapter."""
     from ugro.model import merge as export
 
-    run_dir = REPO / "runs" / _job_id(job_id)
+    run_dir = runs_dir() / _job_id(job_id)
     adapter = run_dir / "adapter"
     if not adapter.is_dir():
         raise _fail(f"{adapter}: no adapter here (did the run finish? `make logs JOB_ID=...` collects it)")
@@ -348,11 +355,11 @@ def status(
     run_dir: Annotated[Path | None, typer.Option(help="a SLURM run's directory (shared filesystem)")] = None,
 ) -> None:
     """Per host: running / finished / failed / stopped, step, last loss, process ids."""
-    if run_dir is not None or (REPO / "runs" / _job_id(job_id) / "slurm").is_dir():
+    if run_dir is not None or (runs_dir() / _job_id(job_id) / "slurm").is_dir():
         # A SLURM run (`ugro slurm-script`): read from its directory, no inventory (ugro/schedulers/render.py).
-        raise typer.Exit(schedulers.status(run_dir or REPO / "runs" / _job_id(job_id), console))
+        raise typer.Exit(schedulers.status(run_dir or runs_dir() / _job_id(job_id), console))
     job_id = _job_id(job_id)
-    run = run_playbook("status.yml", inventory, {"ugro_job_id": job_id}, REPO / "runs" / ".control" / "status")
+    run = run_playbook("status.yml", inventory, {"ugro_job_id": job_id}, runs_dir() / ".control" / "status")
     table = Table(title=f"job {job_id}")
     for column in ("host", "state", "step", "loss", "tokens/s", "pids"):
         table.add_column(column)
@@ -377,7 +384,7 @@ def stop(
 ) -> None:
     """Stop the job's own processes on every host (recorded process group and pids) and confirm."""
     job_id = _job_id(job_id)
-    run = run_playbook("stop.yml", inventory, {"ugro_job_id": job_id}, REPO / "runs" / ".control" / "stop")
+    run = run_playbook("stop.yml", inventory, {"ugro_job_id": job_id}, runs_dir() / ".control" / "stop")
     if not run.ok:
         raise _launch_failed(run, "stop")
     console.print(f"job {job_id}: no process of it is left on {', '.join(run.hosts)}")
@@ -390,8 +397,9 @@ def logs(
 ) -> None:
     """Collect every host's logs (and the main host's results) into runs/<job-id>/."""
     job_id = _job_id(job_id)
-    run_dir = REPO / "runs" / job_id
-    run = run_playbook("logs.yml", inventory, {"ugro_job_id": job_id}, run_dir / ".control" / "ansible")
+    run_dir = runs_dir() / job_id
+    collect = {"ugro_job_id": job_id, "ugro_runs_dir": str(runs_dir())}
+    run = run_playbook("logs.yml", inventory, collect, run_dir / ".control" / "ansible")
     if not run.ok:
         raise _launch_failed(run, "collecting logs")
     _latest_link(run_dir)

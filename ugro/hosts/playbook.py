@@ -10,6 +10,15 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+# The controller's runs directory (run records, collected logs and results, runs/latest, the playbooks' private
+# directories): <repo>/runs unless UGRO_RUNS_DIR names another, e.g. a bigger disk, or a test's temporary directory.
+RUNS_ENV = "UGRO_RUNS_DIR"
+
+
+def runs_dir() -> Path:
+    """The controller's runs directory: ``$UGRO_RUNS_DIR``, or ``<repo>/runs``."""
+    value = os.environ.get(RUNS_ENV)
+    return Path(value).resolve() if value else REPO / "runs"
 
 
 @dataclass
