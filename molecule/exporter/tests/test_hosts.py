@@ -1,0 +1,32 @@
+"""Role exporter (process mode: no systemd on the test hosts) on each host: its files, a live process behind
+the pid file, listening on the host's cluster address only.
+
+What it answers to the controller, the other host and an address outside the subnet, a planted job's series
+and a stopped exporter started again are verify.yml's (tests/test_plays.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+testinfra_hosts = ["ansible://ugro_cluster"]
+
+DIR = "/opt/ugro-exporter"
+PORT = 9840
+
+
+def test_the_exporters_files(host: Any) -> None:
+    for name, mode in (("ugro_exporter.py", 0o644), ("ugro_jobstate.py", 0o644), ("run-exporter.sh", 0o755)):
+        f = host.file(f"{DIR}/{name}")
+        assert (f.is_file, f.user, f.group, f.mode) == (True, "root", "root", mode), name
+
+
+def test_the_pid_file_names_a_live_exporter(host: Any) -> None:
+    pid = int(host.file("/run/ugro-exporter.pid").content_string.split()[0])
+    assert f"{DIR}/ugro_exporter.py" in host.process.get(pid=pid).args
+
+
+def test_it_listens_on_the_cluster_address_only(host: Any) -> None:
+    address = host.ansible.get_variables()["ugro_cluster_address"]
+    assert host.socket(f"tcp://{address}:{PORT}").is_listening
+    assert not host.socket(f"tcp://0.0.0.0:{PORT}").is_listening

@@ -1,0 +1,16 @@
+"""What needs other hosts or the role again: each host's series answer the controller and the other host and
+are refused outside the subnet, a planted job's series come and go with its worker, a stopped exporter
+is started again and stopped when asked (verify.yml, with Molecule's inventory and Ansible settings)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+
+def test_verify_play() -> None:
+    inventory = Path(os.environ["MOLECULE_INVENTORY_FILE"]).parent
+    play = Path(__file__).resolve().parent.parent / "verify.yml"
+    run = subprocess.run(["ansible-playbook", "-i", str(inventory), str(play)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
