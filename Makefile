@@ -12,14 +12,15 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: export train preflight doctor status logs stop validate test bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit
+.PHONY: export train preflight doctor status logs stop validate test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
 	@echo "make preflight [JOB=...] [INVENTORY=...] [JSON=1]   check every host before a launch (make train runs the fast checks; SKIP_PREFLIGHT=1 skips them)"
 	@echo "make doctor [JOB_ID=...]   explain a failed run from its collected logs: host, cause, fix"
 	@echo "make status|logs|stop [INVENTORY=...] [JOB_ID=...]   the newest job (runs/latest) by default"
-	@echo "make test            the whole test suite (ansible-lint, ruff, mypy, pytest)"
+	@echo "make test            the whole test suite (ansible-lint, ruff, mypy, pytest, Molecule; root for the test cluster)"
+	@echo "make test-fast       the fast tier: ruff and the unit tests (no cluster, ranks, Ansible or network; < 3 min)"
 	@echo "make bench           balanced vs equal vs ideal on 3 emulated unequal ranks; trainer vs a bare loop"
 	@echo "make bench-ddp-init  bytes and time DDP broadcasts at start-up, plain vs ugro, on the test cluster (root)"
 	@echo "make bench-exporter  the node exporter's CPU cost at one scrape every 5 s"
@@ -98,17 +99,29 @@ dashboard: venv
 prometheus-config: venv
 	$(UGRO) prometheus-config --inventory $(INVENTORY)
 
+PY_DIRS := train ugro library bench tests models molecule data tools testbed
+
 lint: venv
 	$(VENV)/bin/ansible-lint --profile production
-	$(VENV)/bin/ruff check train ugro library bench tests models molecule data tools
-	$(VENV)/bin/ruff format --check train ugro library bench tests models molecule data tools
+	$(VENV)/bin/ruff check $(PY_DIRS)
+	$(VENV)/bin/ruff format --check $(PY_DIRS)
 
 typecheck: venv
 	$(VENV)/bin/mypy
 
+# The full tier (what CI runs): lint, types, every test (the test cluster, torchrun, Ansible and SLURM ones need
+# root and the tools .ci/run installs), then every role's Molecule scenario.
 test: venv lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 	$(MAKE) molecule
+
+# The fast tier, a developer's loop (tests/README.md): ruff, then the tests that use none of the test cluster,
+# real ranks, Ansible, SLURM or the network (markers applied by tests/conftest.py); no root, under 3 minutes.
+FAST_TESTS := not (cluster or torchrun or ansible or slurm or slow)
+test-fast: venv
+	$(VENV)/bin/ruff check $(PY_DIRS)
+	$(VENV)/bin/ruff format --check $(PY_DIRS)
+	$(PY) -m pytest -m "$(FAST_TESTS)" $(PYTEST_ARGS) tests
 
 # Every role's Molecule scenario (converge, idempotence, verify) on rootfs test hosts (root);
 # SCENARIO=<role> runs one. The first run debootstraps the test hosts' Debian 12 (~3 min, cached).
@@ -141,10 +154,10 @@ bench-exporter: venv
 	$(PY) -m bench.exporter $(BENCH_ARGS)
 
 testbed-up: venv
-	$(PY) molecule/testbed.py up --hosts $(or $(N),3) --dir .testbed $(if $(ROOTFS),--rootfs)
+	$(PY) -m testbed up --hosts $(or $(N),3) --dir .testbed $(if $(ROOTFS),--rootfs)
 
 testbed-down:
-	$(PY) molecule/testbed.py down --dir .testbed
+	$(PY) -m testbed down --dir .testbed
 
 # Every lock from its .in, for every Python a node may run (requirements/locks/py3.X/), with the pinned uv
 # from the registry alone (~1 min, mostly the index's answers).

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from testbed.net import free_port
 from train.config import load_job
 from train.data import prepare
 from train.metrics import read_metrics
@@ -84,12 +84,6 @@ def _job(setup: Setup, balance: str, factors: tuple[float, ...]) -> dict[str, An
     return job
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -108,7 +102,7 @@ def _start(name: str, setup: Setup, balance: str, factors: tuple[float, ...], ro
     job_file.write_text(yaml.safe_dump(_job(setup, balance, factors), sort_keys=False))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={len(factors)}", "--nnodes=1",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--max-restarts=0",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0",
         "-m", "train.worker", "--job", str(job_file), "--run-dir", str(run_dir), "--code-dir", str(REPO),
         "--benchmark",
     ]  # fmt: skip

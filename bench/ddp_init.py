@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import importlib.util
 import json
 import os
 import shlex
@@ -27,7 +26,6 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 from typing import Annotated, Any
 
 import psutil
@@ -38,6 +36,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel
 
+from testbed import cluster as testbed_cluster
 from train import distributed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,15 +128,6 @@ def rank(hidden: int = 1024, layers: int = 8, vocab: int = 32000) -> None:
     distributed.shutdown()
 
 
-def _testbed_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ugro_testbed", REPO / "molecule" / "testbed.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ugro_testbed"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def measure_on_testbed(bed: Any, hidden: int, layers: int, vocab: int) -> dict[str, Any]:
     """torchrun on every test host over SSH (c10d rendezvous on the first); rank 0's figures."""
     main = bed.hosts[0]
@@ -175,7 +165,7 @@ def run(
     hosts: Annotated[int, typer.Option(help="Test hosts.")] = 3,
 ) -> None:
     """Bring up the test cluster, measure both DDP constructions, print the table, tear it down."""
-    testbed = _testbed_module()
+    testbed = testbed_cluster
     with tempfile.TemporaryDirectory(prefix="ugro-ddpinit-") as tmp:
         try:
             bed = testbed.up(Path(tmp), hosts=hosts, subnet=SUBNET)

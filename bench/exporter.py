@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,34 +26,11 @@ from typing import Any
 
 import psutil
 
+from testbed.net import free_port
+from testbed.planted import plant_run
+
 REPO = Path(__file__).resolve().parent.parent
 EXPORTER = REPO / "ugro" / "module_utils" / "ugro_exporter.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def plant_run(runs: Path, worker_pid: int, host: str) -> None:
-    """A run as a training host has it: run.json, 1,000 metrics rows, eval rows, two live ranks' figures."""
-    run = runs / "bench-job"
-    host_dir = run / "hosts" / host
-    host_dir.mkdir(parents=True)
-    (runs / "active-job").write_text(f"bench-job {worker_pid}\n")
-    (run / "run.json").write_text(json.dumps({"state": "running", "world_size": 2, "step": 1000, "total_steps": 5000}))
-    rows = (
-        json.dumps({"step": s, "total_steps": 5000, "loss": 2.5, "tokens_per_s": 2300.0, "eta_s": 900.0, "time": 0.0})
-        for s in range(1, 1001)
-    )
-    (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
-    (run / "eval.jsonl").write_text(json.dumps({"step": 1000, "eval_loss": 3.1, "tokens": 900, "model": "fine-tuned"}))
-    for rank in (0, 1):
-        (host_dir / f"worker-rank{rank}.pid").write_text(f"{worker_pid}\n")
-        figures = {"job": "bench-job", "host": host, "rank": rank, "world_size": 2, "step": 1000, "total_steps": 5000,
-                   "loss": 2.5, "share": 0.5, "ready_s": 0.41, "tokens_per_s": 1150.0, "time": time.time()}  # fmt: skip
-        (host_dir / f"rank{rank}.json").write_text(json.dumps(figures))
 
 
 def _cpu_s(proc: psutil.Process) -> float:
@@ -73,8 +49,9 @@ def measure(interval_s: float, duration_s: float, burst: int) -> dict[str, Any]:
         runs.mkdir()
         # A stand-in worker whose command line names the run, as a rank's does.
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(86400)", str(runs / "bench-job")])
-        port = _free_port()
-        plant_run(runs, worker.pid, "benchhost")
+        port = free_port()
+        # 1,000 metrics rows: what every scrape of a long run's host reads.
+        plant_run(runs, "benchhost", worker.pid, job_id="bench-job", step=1000, total_steps=5000, rows=1000, loss=2.5)
         exporter = subprocess.Popen(
             [sys.executable, str(EXPORTER), "serve", "--listen", "127.0.0.1", "--port", str(port),
              "--host", "benchhost", "--runs-dir", str(runs)],

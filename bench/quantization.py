@@ -23,7 +23,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from bench.bench import _free_port
+from testbed.net import free_port
 from train.metrics import read_eval, read_metrics
 from ugro.model import basemodel
 
@@ -49,7 +49,7 @@ def run_variant(name: str, steps: int, nproc: int, work: Path) -> tuple[Path, fl
     run_dir = work / name
     argv = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--max-restarts=0",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0",
         "--module", "train.worker", "--job", str(job_file), "--run-dir", str(run_dir), "--resume", "none",
         "--code-dir", str(REPO),
     ]  # fmt: skip

@@ -10,33 +10,24 @@ this machine, which all test hosts share); where the time went comes from the ru
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import yaml
 from rich.console import Console
 from rich.table import Table
 
+from testbed import cluster as testbed_cluster
+
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.9.0/24"  # its own: `make test` and `make testbed-up` use others
 NAME = "bench-recovery"
 console = Console(width=170)
-
-
-def _testbed() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ugro_testbed_bench", REPO / "molecule" / "testbed.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _rows(bed: Any, job_id: str) -> list[dict[str, Any]]:
@@ -68,7 +59,7 @@ def _first_step_after(bed: Any, job_id: str, moment: float) -> float:
 
 
 def main() -> int:
-    tb = _testbed()
+    tb = testbed_cluster
     directory = Path(tempfile.mkdtemp(prefix="ugro-bench-recovery-"))
     job_file = REPO / "jobs" / f"{NAME}.yaml"
     bed = tb.up(directory, hosts=3, subnet=SUBNET)

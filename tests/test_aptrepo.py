@@ -1,4 +1,4 @@
-"""The dummy CUDA apt repository (molecule/aptrepo.py) the driver and CUDA roles are tested against.
+"""The dummy CUDA apt repository (testbed/aptrepo.py) the driver and CUDA roles are tested against.
 
 apt itself reads it, in a throwaway configuration that touches nothing of this machine's apt:
 the signed index must verify with the key the dummy `cuda-keyring` package ships, and both the
@@ -11,10 +11,11 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-from conftest import load_molecule_module, unavailable
+from helpers import unavailable
+
+from testbed import aptrepo
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,10 +26,6 @@ def _needs_apt_tools() -> None:
     missing = [tool for tool in ("dpkg-deb", "gpg", "apt-get") if shutil.which(tool) is None]
     if missing:
         unavailable(f"needs {', '.join(missing)}")
-
-
-def _load() -> ModuleType:
-    return load_molecule_module("aptrepo")
 
 
 def _apt(tmp: Path, repo: Path, keyring: Path, *args: str) -> str:
@@ -78,7 +75,6 @@ def _keyring_from_deb(deb: Path, keyring_path: str, out: Path) -> Path:
 
 
 def test_repository_verifies_and_lists_pinned_and_newer(tmp_path: Path) -> None:
-    aptrepo = _load()
     info = aptrepo.build(tmp_path / "repo")
     repo = Path(info.dest)
     assert (repo / info.keyring_deb).is_file()
@@ -104,7 +100,6 @@ def test_repository_verifies_and_lists_pinned_and_newer(tmp_path: Path) -> None:
 
 
 def test_wrong_key_fails_verification(tmp_path: Path) -> None:
-    aptrepo = _load()
     info = aptrepo.build(tmp_path / "repo")
     other = aptrepo.build(tmp_path / "other")  # same packages, another throwaway key
     with pytest.raises(AssertionError, match=r"NO_PUBKEY|not signed|signatures"):
@@ -112,7 +107,6 @@ def test_wrong_key_fails_verification(tmp_path: Path) -> None:
 
 
 def test_build_is_cached(tmp_path: Path) -> None:
-    aptrepo = _load()
     first = aptrepo.build(tmp_path / "repo")
     inrelease = (Path(first.dest) / "InRelease").read_bytes()
     again = aptrepo.build(tmp_path / "repo")

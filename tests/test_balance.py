@@ -6,14 +6,14 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import yaml
-from conftest import PYTHON, REPO, free_port, run_env, small_job, torchrun, write_job
+from helpers import PYTHON, REPO, Run, run_env, small_job, write_job
 
 from train import distributed
 from train.config import ConfigError, JobConfig, load_job
@@ -69,16 +69,17 @@ def _guard_rank(rank: int, port: int, out: str) -> None:
     distributed.shutdown()
 
 
-def test_a_different_job_on_one_host_fails_every_rank_naming_host_and_keys(tmp_path: Path) -> None:
-    mp.spawn(_guard_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_a_different_job_on_one_host_fails_every_rank_naming_host_and_keys(
+    tmp_path: Path, spawn: Callable[..., None]
+) -> None:
+    spawn(_guard_rank, 2, str(tmp_path))
     messages = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     assert messages[0] == messages[1]  # one message, on every rank: nobody is left waiting
     assert "host node3070 (rank 1) runs a different job than master" in messages[0]
     assert "lora.r (16 on master vs 8)" in messages[0] and "data.seq_len (128 on master vs 192)" in messages[0]
 
 
-@pytest.mark.slow
-def test_a_slow_rank_gets_a_smaller_share_and_a_resume_on_more_ranks_plans_again(tmp_path: Path) -> None:
+def test_a_slow_rank_gets_a_smaller_share_and_a_resume_on_more_ranks_plans_again(tmp_path: Path, torchrun: Run) -> None:
     job = write_job(
         tmp_path / "job.yaml",
         balance="auto",
@@ -116,7 +117,6 @@ def test_a_slow_rank_gets_a_smaller_share_and_a_resume_on_more_ranks_plans_again
     assert [r["step"] for r in read_metrics(run_dir)][-6:] == list(range(7, 13))
 
 
-@pytest.mark.slow
 def test_ddp_start_up_does_not_broadcast_the_frozen_base_across_hosts(testbed: Any) -> None:
     """On the 3-host test cluster, bytes counted on each host's interface while DDP is built: plain DDP
     sends the whole base, ugro only the LoRA weights, and the ranks start with rank 0's LoRA weights."""
@@ -134,7 +134,7 @@ def test_ddp_start_up_does_not_broadcast_the_frozen_base_across_hosts(testbed: A
     assert figures["trainable_equal_after_ugro"] is True, figures
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("torchrun")  # bench.bench starts torchrun itself
 def test_make_bench_emulates_the_speeds_plans_and_ends_with_the_ratio(tmp_path: Path) -> None:
     """The benchmark harness end to end, shortened: figures are not judged here, its mechanics are."""
     args = ["--steps", "7", "--skip", "5", "--rounds", "1", "--pairs", "1"]

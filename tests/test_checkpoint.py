@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, small_job
+from helpers import REPO, small_job
 
 from train import checkpoint
 from train.config import JobConfig

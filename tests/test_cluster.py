@@ -16,17 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PYTHON, REPO, cli, cluster_job, job_processes, newest_run, remove_job, run_env
+from helpers import PYTHON, REPO, Run, cli, cluster_job, job_processes, newest_run, remove_runs, run_env, runs_dir
 
 from train.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
 
-
-def _job(name: str, steps: int) -> Iterator[Path]:
-    path = cluster_job(name, train={"max_steps": steps})
+def _job(jobs: Path, name: str, steps: int) -> Iterator[Path]:
+    path = cluster_job(jobs, name, train={"max_steps": steps})
     yield path
-    remove_job(path)
+    path.unlink()
+    remove_runs(name)
 
 
 # More steps than any machine runs while the test waits on it: the job can only end by `ugro stop`, so the
@@ -35,8 +34,8 @@ ENDLESS = 1_000_000
 
 
 @pytest.fixture()
-def long_job_file() -> Iterator[Path]:
-    yield from _job("cluster-stop-test", steps=ENDLESS)
+def long_job_file(repo_jobs: Path) -> Iterator[Path]:
+    yield from _job(repo_jobs, "cluster-stop-test", steps=ENDLESS)
 
 
 def _running_step(status: str) -> int | None:
@@ -77,14 +76,16 @@ def _stop(follower: subprocess.Popen[str], cluster: Path, job_id: str) -> None:
     assert status.stdout.count("stopped") == 3, status.stdout
 
 
-def test_stop_mid_run_leaves_no_process_and_resume_continues(cluster: Path, long_job_file: Path) -> None:
+def test_stop_mid_run_leaves_no_process_and_resume_continues(
+    cluster: Path, long_job_file: Path, ugro_train: Run
+) -> None:
     follower = _follow(long_job_file, cluster)
     try:
         _wait_running(follower, cluster, 11)
         job_id = newest_run("cluster-stop-test").name
         assert len(job_processes(job_id)) >= 6  # 3 launch scripts + 3 torchruns, + workers
 
-        second = cli("train", "--job", str(long_job_file), "--inventory", str(cluster), timeout=200)
+        second = ugro_train("train", "--job", str(long_job_file), "--inventory", str(cluster), timeout=200)
         assert second.returncode == 1
         for host in ("tb1", "tb2", "tb3"):
             assert f"{host} already runs job {job_id}" in " ".join(second.stderr.split()), second.stderr
@@ -92,7 +93,7 @@ def test_stop_mid_run_leaves_no_process_and_resume_continues(cluster: Path, long
     finally:
         if follower.poll() is None:
             follower.kill()
-    stopped_at = read_metrics(REPO / "runs" / job_id)[-1]["step"]
+    stopped_at = read_metrics(runs_dir() / job_id)[-1]["step"]
     assert stopped_at >= 11
 
     resumed = _follow(long_job_file, cluster, "--resume", "auto")
@@ -103,18 +104,18 @@ def test_stop_mid_run_leaves_no_process_and_resume_continues(cluster: Path, long
     finally:
         if resumed.poll() is None:
             resumed.kill()
-    main_log = (REPO / "runs" / job_id / "logs" / "tb1-rank0.log").read_text()
+    main_log = (runs_dir() / job_id / "logs" / "tb1-rank0.log").read_text()
     found = re.search(r"resumed from \S+/checkpoints/step-0*(\d+) at step (\d+)", main_log)
     assert found is not None, main_log[-2000:]
     # The second launch went on from the newest checkpoint: the one the stop wrote at the step it landed on
     # (or, had a rank been killed before writing it, the last periodic one, every 5 steps).
     assert found[1] == found[2] and int(found[2]) in (stopped_at, stopped_at - stopped_at % 5), (found[0], stopped_at)
-    steps = [r["step"] for r in read_metrics(REPO / "runs" / job_id)]
+    steps = [r["step"] for r in read_metrics(runs_dir() / job_id)]
     assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= stopped_at + 3, steps
 
 
 def _latest() -> str:
-    return (REPO / "runs" / "latest").readlink().name
+    return (runs_dir() / "latest").readlink().name
 
 
 def test_three_hosts_train_and_the_controller_gets_every_log(unbroken_run: tuple[Path, Any], testbed: Any) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PYTHON, REPO, small_job
+from helpers import PYTHON, REPO, small_job
 
 from train.config import ConfigError, apply_profile, load_job, load_profile
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from helpers import REPO
 
 from train.config import ConfigError, DataConfig, ModelConfig
 from train.data import IGNORE, Record, build_blocks, load_records, prepare, read_checked, tokenize

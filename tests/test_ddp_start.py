@@ -5,11 +5,10 @@ fail on every rank with one message naming the host."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-from conftest import free_port
 
 from train import distributed
 from train.config import ConfigError
@@ -62,8 +61,10 @@ def _rank(rank: int, port: int, out: str) -> None:
     distributed.shutdown()
 
 
-def test_ranks_start_from_rank_0s_trainable_weights_and_keep_their_own_base(tmp_path: Path) -> None:
-    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+def test_ranks_start_from_rank_0s_trainable_weights_and_keep_their_own_base(
+    tmp_path: Path, spawn: Callable[..., None]
+) -> None:
+    spawn(_rank, WORLD, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for rank, seen in enumerate(ranks):
         assert torch.equal(seen["adapter"], torch.full((4, 4), 1.0)), (rank, seen["adapter"])  # rank 0's

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO, run_env
+from helpers import cli
 
 from ugro.checks import doctor
 
@@ -41,14 +41,7 @@ def test_a_clean_run_has_no_finding() -> None:
 
 
 def _doctor(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PYTHON, "-m", "ugro.cli", "doctor", "--run-dir", str(run_dir), *args],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return cli("doctor", "--run-dir", str(run_dir), *args, timeout=60)
 
 
 def test_the_cli_prints_json_and_fails_on_a_finding(tmp_path: Path) -> None:

@@ -11,12 +11,13 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, run_env, torchrun_cmd, write_job
+from helpers import REPO, run_env, write_job
 
 from train.config import ConfigError
 from train.failure import NonFiniteError, Stopped, kind_of
@@ -25,7 +26,9 @@ from ugro.run import recovery
 HOST = os.uname().nodename
 
 
-def _start(tmp_path: Path, **overrides: object) -> tuple[subprocess.Popen[str], Path]:
+def _start(
+    torchrun_cmd: Callable[..., list[str]], tmp_path: Path, **overrides: object
+) -> tuple[subprocess.Popen[str], Path]:
     job = write_job(tmp_path / "job.yaml", train={"max_steps": 400, "global_batch_size": 4, "log_every": 50},
                     **overrides)  # type: ignore[arg-type]  # fmt: skip
     run_dir = tmp_path / "run"
@@ -45,8 +48,10 @@ def _records(run_dir: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def test_a_frozen_peer_is_noticed_within_the_collective_timeout_and_recorded(tmp_path: Path) -> None:
-    proc, run_dir = _start(tmp_path, distributed={"timeout_s": 5})
+def test_a_frozen_peer_is_noticed_within_the_collective_timeout_and_recorded(
+    tmp_path: Path, torchrun_cmd: Callable[..., list[str]]
+) -> None:
+    proc, run_dir = _start(torchrun_cmd, tmp_path, distributed={"timeout_s": 5})
     frozen = int((run_dir / "hosts" / HOST / "worker-rank1.pid").read_text())
     os.kill(frozen, signal.SIGSTOP)  # alive, holding its sockets open, answering nothing: a hung peer
     began = time.monotonic()
@@ -72,8 +77,8 @@ def test_a_frozen_peer_is_noticed_within_the_collective_timeout_and_recorded(tmp
     assert proc.returncode != 0
 
 
-def test_a_stopped_run_records_stopped_on_every_rank(tmp_path: Path) -> None:
-    proc, run_dir = _start(tmp_path)
+def test_a_stopped_run_records_stopped_on_every_rank(tmp_path: Path, torchrun_cmd: Callable[..., list[str]]) -> None:
+    proc, run_dir = _start(torchrun_cmd, tmp_path)
     os.kill(proc.pid, signal.SIGTERM)  # what `make stop` sends torchrun (through the launch script)
     proc.wait(timeout=120)
     kinds = {r["rank"]: r["kind"] for r in _records(run_dir)}

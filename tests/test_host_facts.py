@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_module
+from helpers import run_module
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "node4070"  # the inventory name the roles pass as `host`
 
-pytestmark = pytest.mark.slow
+# Every test here runs a host module through the real `ansible` (helpers.run_module).
+pytestmark = pytest.mark.usefixtures("ansible_module")
 
 
 def _facts(**args: Any) -> dict[str, Any]:

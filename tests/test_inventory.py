@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import REPO
+from helpers import REPO, Run
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg")}
@@ -61,15 +61,12 @@ def _inventory(path: Path) -> dict[str, Any]:
     return json.loads(result.stdout)
 
 
-def _seen(inventory: Path, tmp_path: Path) -> dict[str, dict[str, Any]]:
+def _seen(ansible_playbook: Run, inventory: Path, tmp_path: Path) -> dict[str, dict[str, Any]]:
     """Per host, the settings a play of playbooks/ sees with this inventory (real ansible-playbook)."""
     playbook, show_dir = tmp_path / "show.yml", tmp_path / "seen"
     playbook.write_text(SHOW_PLAYBOOK)
     show_dir.mkdir()
-    result = subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", str(inventory), "-e", f"show_dir={show_dir}", str(playbook)],
-        capture_output=True, text=True, cwd=REPO, timeout=300, env=ENV,
-    )  # fmt: skip
+    result = ansible_playbook(inventory, playbook, "-e", f"show_dir={show_dir}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {path.stem: json.loads(path.read_text()) for path in show_dir.glob("*.json")}
 
@@ -118,10 +115,9 @@ def test_shipped_group_vars_set_nothing() -> None:
             assert yaml.safe_load(path.read_text()) is None, f"{path} sets variables: ship defaults in a role"
 
 
-@pytest.mark.slow
-def test_the_inventorys_own_group_vars_win_over_the_shipped_defaults(tmp_path: Path) -> None:
+def test_the_inventorys_own_group_vars_win_over_the_shipped_defaults(tmp_path: Path, ansible_playbook: Run) -> None:
     inventory = _user_inventory(tmp_path, {"ugro_rendezvous_host": "node2", "ugro_rendezvous_port": 29600})
-    seen = _seen(inventory, tmp_path)
+    seen = _seen(ansible_playbook, inventory, tmp_path)
     for host in ("node1", "node2"):
         assert seen[host]["rendezvous_host"] == "node2"
         assert int(seen[host]["port"]) == 29600
@@ -132,9 +128,8 @@ def test_the_inventorys_own_group_vars_win_over_the_shipped_defaults(tmp_path: P
         assert seen[host]["python"] == "/opt/ugro/.venv/bin/python"
 
 
-@pytest.mark.slow
-def test_the_shared_defaults_apply_where_the_inventory_sets_nothing(tmp_path: Path) -> None:
-    seen = _seen(_user_inventory(tmp_path, {}), tmp_path)
+def test_the_shared_defaults_apply_where_the_inventory_sets_nothing(tmp_path: Path, ansible_playbook: Run) -> None:
+    seen = _seen(ansible_playbook, _user_inventory(tmp_path, {}), tmp_path)
     for host in ("node1", "node2"):
         assert seen[host]["rendezvous_host"] == "node1"  # the first host of ugro_cluster
         assert int(seen[host]["port"]) == 29500
@@ -143,9 +138,8 @@ def test_the_shared_defaults_apply_where_the_inventory_sets_nothing(tmp_path: Pa
         assert seen[host]["code_sync"] in (True, "True")
 
 
-@pytest.mark.slow
-def test_the_local_inventory_runs_this_checkout_on_loopback(tmp_path: Path) -> None:
-    seen = _seen(REPO / "inventory" / "local.yml", tmp_path)["localhost"]
+def test_the_local_inventory_runs_this_checkout_on_loopback(tmp_path: Path, ansible_playbook: Run) -> None:
+    seen = _seen(ansible_playbook, REPO / "inventory" / "local.yml", tmp_path)["localhost"]
     assert seen["rendezvous_host"] == "localhost" and int(seen["port"]) == 29500
     assert seen["rendezvous_address"] == "127.0.0.1"
     assert seen["code_sync"] in (False, "False")

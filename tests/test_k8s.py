@@ -12,7 +12,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import REPO, write_job
+from helpers import REPO, write_job
 
 from train.config import ConfigError, load_job, load_profile
 from ugro.schedulers import k8s, profile_map

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tools import lock as locks
+from tools import lock as locker
+from ugro.stack import lockfile as locks
 
 ROLES = ("node", "gpu", "controller")
 # torch 2.13.0 for Linux x86-64 is the CUDA 13.0 build: these are among what it needs to import.
@@ -59,7 +60,7 @@ def test_node_lock_holds_torch_with_its_cuda_libraries_and_no_controller_tool() 
     assert node["torch"].version == "2.13.0"
     assert node["bitsandbytes"].version == "0.50.2"  # 4-bit QLoRA runs on CPU nodes too
     assert [name for name in TORCH_NEEDS if name not in node] == []
-    tools = [name for name in node if locks.NOT_ON_NODES.match(name)]
+    tools = [name for name in node if locker.NOT_ON_NODES.match(name)]
     assert tools == [], f"node.txt installs {tools} on every node: they belong to controller.in or dev.in"
     gpu = locks.read(_lock("3.12", "gpu"))
     assert gpu["unsloth"].version == "2026.10.1"
@@ -78,12 +79,12 @@ def _resolve(python: str, role: str) -> tuple[dict[str, locks.Pin], dict[str, lo
     files = [_lock(python, "node")] + ([_lock(python, role)] if role != "node" else [])
     locked = {name: pin for path in files for name, pin in locks.read(path).items()}
     try:
-        return locks.compile_set(files, python), locked  # --no-config, no UV_* / PIP_* variable
-    except locks.LockError as exc:
+        return locker.compile_set(files, python), locked  # --no-config, no UV_* / PIP_* variable
+    except locker.LockError as exc:
         pytest.fail(f"Python {python}, {role}: the locks do not resolve:\n{str(exc)[-3000:]}")
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("registry")
 def test_every_lock_resolves_complete_from_the_registry_alone_for_every_python() -> None:
     targets = [(python, role) for python in locks.PYTHONS for role in ROLES]
     with ThreadPoolExecutor(max_workers=3) as pool:

@@ -17,7 +17,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,9 +28,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import PYTHON, REPO, run_env, small_job, unavailable
+from helpers import PYTHON, REPO, Run, cli, free_port, remove_runs, run_env, runs_dir, unavailable, write_job
 
-from train.metrics import plot_loss, rank_figures, write_rank_status
+from testbed import planted as planted_run
+from train.metrics import plot_loss, rank_figures
 from ugro.module_utils import ugro_exporter
 from ugro.monitoring import monitor
 
@@ -103,33 +103,13 @@ def fake_nvml() -> Any:
     )
 
 
-def plant_run(runs: Path, host: str, worker_pid: int) -> Path:
-    """A running job on one host as the launch and the ranks leave it (rank 0 keeps the run here)."""
-    run = runs / "plant-20260101-000000"
-    host_dir = run / "hosts" / host
-    host_dir.mkdir(parents=True)
-    (runs / "active-job").write_text(f"{run.name} {worker_pid}\n")
-    (run / "run.json").write_text(json.dumps({"state": "running", "world_size": 2, "step": 7, "total_steps": 50}))
-    (run / "metrics.jsonl").write_text(
-        json.dumps({"step": 7, "total_steps": 50, "loss": 6.5, "tokens_per_s": 2100.0, "eta_s": 30.5}) + "\n"
-    )
-    (run / "eval.jsonl").write_text(json.dumps({"step": 0, "eval_loss": 7.25, "tokens": 10, "model": "base"}) + "\n")
-    figures = rank_figures([host, host], [5, 3], [0.5, 0.25], [1000, 600])
-    for rank in (0, 1):
-        (host_dir / f"worker-rank{rank}.pid").write_text(f"{worker_pid}\n")
-        write_rank_status(run, host, rank, 7, 50, 6.5, figures)
-    return run
-
-
 @pytest.fixture()
 def planted(tmp_path: Path) -> Iterator[Path]:
     runs = tmp_path / "runs"
     runs.mkdir()
-    worker = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(600)", str(runs / "plant-20260101-000000")]
-    )
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", str(runs / planted_run.JOB_ID)])
     try:
-        plant_run(runs, "node4070", worker.pid)
+        planted_run.plant_run(runs, "node4070", worker.pid)
         yield runs
     finally:
         worker.kill()
@@ -236,11 +216,6 @@ def test_the_end_of_run_picture_draws_loss_speed_and_shares(tmp_path: Path) -> N
 # During a real job on the test cluster.
 
 
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "ugro.cli", *args], cwd=REPO, env=run_env(), capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
-
-
 def _ssh(testbed: Any, host: str, command: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ssh", "-F", str(testbed.ssh_config), host, command], capture_output=True, text=True,
                           timeout=60, check=False)  # fmt: skip
@@ -259,38 +234,25 @@ def _inventory(testbed: Any) -> Path:
     return inventory
 
 
-def _install_exporters(inventory: Path) -> None:
+def _install_exporters(ansible_playbook: Run, inventory: Path) -> None:
     """Role exporter on every host through the real provisioning playbook (tag exporter)."""
-    env = run_env() | {"ANSIBLE_CONFIG": str(REPO / "ansible.cfg")}
-    playbook = [str(Path(PYTHON).parent / "ansible-playbook"), "-i", str(inventory), "playbooks/provision.yml"]
-    play = subprocess.run(
-        [*playbook, "--tags", "exporter"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    play = ansible_playbook(inventory, "playbooks/provision.yml", "--tags", "exporter")
     assert play.returncode == 0, play.stdout[-4000:] + play.stderr[-2000:]
 
 
 @pytest.fixture()
-def monitor_job() -> Iterator[Path]:
-    path = REPO / "jobs" / "monitor-test.yaml"
-    job = small_job(
+def monitor_job(repo_jobs: Path) -> Iterator[Path]:
+    path = write_job(
+        repo_jobs / "monitor-test.yaml",
         name="monitor-test",
         train={"max_steps": 3000, "global_batch_size": 6, "log_every": 50},
         checkpoint={"every": 3000},
         eval={"source": "data/sample/eval.jsonl", "every": 25, "samples": 0},
         balance="auto",
     )
-    path.write_text(yaml.safe_dump(job, sort_keys=False))
     yield path
     path.unlink()
-    for run in (REPO / "runs").glob("monitor-test-*"):
-        shutil.rmtree(run)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    remove_runs("monitor-test")
 
 
 def _until(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 0.5) -> Any:
@@ -371,8 +333,9 @@ async def _drive_dashboard(targets: list[monitor.Target], stop_tb3: Callable[[],
     return seen
 
 
-@pytest.mark.slow
-def test_exporters_prometheus_and_dashboard_during_a_job(monitor_job: Path, testbed: Any, tmp_path: Path) -> None:
+def test_exporters_prometheus_and_dashboard_during_a_job(
+    monitor_job: Path, testbed: Any, tmp_path: Path, ugro_train: Run, ansible_playbook: Run
+) -> None:
     prometheus = shutil.which("prometheus")
     if prometheus is None:
         unavailable("prometheus not found: apt-get install prometheus (Debian 12: 2.42)")
@@ -393,15 +356,15 @@ def test_exporters_prometheus_and_dashboard_during_a_job(monitor_job: Path, test
         print(f"{time.monotonic() - began:6.1f} s  {what}")
 
     try:
-        _install_exporters(inventory)
+        _install_exporters(ansible_playbook, inventory)
         mark("exporters installed")
         config = tmp_path / "prometheus.yml"
-        made = _cli("prometheus-config", "--inventory", str(inventory), "--out", str(config), "--scrape-interval", "1s")
+        made = cli("prometheus-config", "--inventory", str(inventory), "--out", str(config), "--scrape-interval", "1s")
         assert made.returncode == 0, made.stdout + made.stderr
         checked = subprocess.run([str(Path(prometheus).parent / "promtool"), "check", "config", str(config)],
                                  capture_output=True, text=True, check=False)  # fmt: skip
         assert checked.returncode == 0, checked.stdout + checked.stderr
-        port = _free_port()
+        port = free_port()
         with open(tmp_path / "prometheus.log", "wb") as log:
             prom = subprocess.Popen(
                 [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
@@ -466,7 +429,7 @@ def test_exporters_prometheus_and_dashboard_during_a_job(monitor_job: Path, test
     finally:
         if follower.poll() is None:
             follower.send_signal(signal.SIGINT)  # the follower detaches; the job is stopped below
-        launched = sorted(p.name for p in (REPO / "runs").glob("monitor-test-*"))
+        launched = sorted(p.name for p in runs_dir().glob("monitor-test-*"))
         # On every host at once: the job's own recorded processes (ugro_jobstate.stop, what `make stop`'s host
         # module runs; `make stop` itself is tested in test_cluster.py), then the exporter.
         stop_job = (

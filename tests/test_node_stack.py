@@ -14,15 +14,14 @@ import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import yaml
-from conftest import REPO, WHY_NOT, cli, load_testbed_module, newest_run, remove_job, small_job, unavailable
+from helpers import REPO, Run, newest_run, remove_runs, write_job
 
 from ugro.stack import lockfile as locks
-
-pytestmark = pytest.mark.slow
 
 DEBIAN = {"tb1": "12", "tb2": "13"}
 GPU_HOST = "tb1"
@@ -37,11 +36,11 @@ def _ssh(bed: Any, host: str, command: str, timeout: float = 300) -> subprocess.
 
 
 @pytest.fixture(scope="module")
-def provisioned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path]]:
+def provisioned(
+    netns: ModuleType, ansible_playbook: Run, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Any, Path]]:
     """The two hosts after `make provision` (the playbook, every role), and their inventory."""
-    if WHY_NOT is not None:
-        unavailable(WHY_NOT)
-    tb = load_testbed_module()
+    tb = netns
     directory = tmp_path_factory.mktemp("stack")
     bed = tb.up(directory, hosts=2, subnet="auto", rootfs=True, debian=list(DEBIAN.values()))
     try:
@@ -53,12 +52,8 @@ def provisioned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any,
         inventory.write_text(yaml.safe_dump(data))
         (directory / "host_vars").mkdir()
         (directory / "host_vars" / f"{GPU_HOST}.yml").write_text("python_env_gpu: present\n")
-        env = {"ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "PATH": f"{REPO / '.venv' / 'bin'}:/usr/bin:/bin",
-               "HOME": str(Path.home())}  # fmt: skip
-        proc = subprocess.run(
-            [str(REPO / ".venv" / "bin" / "ansible-playbook"), "-i", str(inventory), "playbooks/provision.yml"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=2400, check=False,
-        )  # fmt: skip
+        env = {"PATH": f"{REPO / '.venv' / 'bin'}:/usr/bin:/bin", "HOME": str(Path.home())}
+        proc = ansible_playbook(inventory, "playbooks/provision.yml", timeout=2400, env=env)
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
         yield bed, inventory
     finally:
@@ -118,14 +113,14 @@ def test_unsloth_on_the_gpu_host_fails_only_for_want_of_a_gpu(provisioned: tuple
     assert "No module named 'unsloth'" in absent.stderr  # not a GPU host: no GPU lock
 
 
-def test_a_job_trains_across_debian_12_and_13_nodes(provisioned: tuple[Any, Path]) -> None:
+def test_a_job_trains_across_debian_12_and_13_nodes(
+    provisioned: tuple[Any, Path], repo_jobs: Path, ugro_train: Run
+) -> None:
     _, inventory = provisioned
     name = "stack-test"
-    path = REPO / "jobs" / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(small_job(name=name, train={"max_steps": 6, "global_batch_size": 4}),
-                                   sort_keys=False))  # fmt: skip
+    path = write_job(repo_jobs / f"{name}.yaml", name=name, train={"max_steps": 6, "global_batch_size": 4})
     try:
-        result = cli("train", "--job", str(path), "--inventory", str(inventory), "--poll", "2", timeout=900)
+        result = ugro_train("train", "--job", str(path), "--inventory", str(inventory), "--poll", "2", timeout=900)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
         run = newest_run(name)
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -134,4 +129,5 @@ def test_a_job_trains_across_debian_12_and_13_nodes(provisioned: tuple[Any, Path
         assert logs == ["tb1-rank0.log", "tb1-torchrun.log", "tb2-rank1.log", "tb2-torchrun.log"]
         assert "backend=hf device=cpu" in (run / "logs" / "tb2-rank1.log").read_text()  # rank 1: Debian 13's venv
     finally:
-        remove_job(path)
+        path.unlink()
+        remove_runs(name)

@@ -14,13 +14,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import PYTHON, REPO, free_port, run_env, run_module, small_job
+from helpers import REPO, Run, cli, free_port, runs_dir, write_job
 
 from train.tools.allreduce import bus_bandwidth
 from ugro.checks.preflight_checks import (
@@ -32,12 +32,6 @@ from ugro.checks.preflight_checks import (
     _memory_cell,
     judge_fast,
 )
-
-
-def _cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PYTHON, "-m", "ugro.cli", *args], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout
-    )
 
 
 def _cells(report: dict[str, Any], row: str) -> dict[str, dict[str, str]]:
@@ -296,8 +290,8 @@ def test_a_fail_anywhere_fails_the_report_and_a_warn_does_not() -> None:
 # ------------------------------------------------------------------------------------- this machine
 
 
-def test_local_fast_preflight_passes_without_the_heavy_phase() -> None:
-    result = _cli("preflight", "--fast", "--json", timeout=120)
+def test_local_fast_preflight_passes_without_the_heavy_phase(ugro: Run) -> None:
+    result = ugro("preflight", "--fast", "--json", timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout)
     bad = [(c["name"], x["status"]) for c in report["checks"] for x in c["cells"].values() if x["status"] != "PASS"]
@@ -309,29 +303,29 @@ def test_local_fast_preflight_passes_without_the_heavy_phase() -> None:
 
 
 def test_bad_inventory_is_one_clear_error(tmp_path: Path) -> None:
-    missing = _cli("preflight", "--inventory", str(tmp_path / "nope.yml"), timeout=60)
+    missing = cli("preflight", "--inventory", str(tmp_path / "nope.yml"), timeout=60)
     assert missing.returncode == 2 and "inventory not found" in missing.stderr and "Traceback" not in missing.stderr
 
 
-def test_a_missing_job_python_fails_reachable_and_names_ugro_python(tmp_path: Path) -> None:
+def test_a_missing_job_python_fails_reachable_and_names_ugro_python(tmp_path: Path, ugro: Run) -> None:
     data = yaml.safe_load((REPO / "inventory" / "local.yml").read_text())
     data["all"]["children"]["ugro_cluster"]["hosts"]["localhost"]["ugro_python"] = str(tmp_path / "nope" / "python")
     inventory = tmp_path / "inventory.yml"
     inventory.write_text(yaml.safe_dump(data))
-    result = _cli("preflight", "--fast", "--json", "--inventory", str(inventory), timeout=120)
+    result = ugro("preflight", "--fast", "--json", "--inventory", str(inventory), timeout=120)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     reach = _cells(json.loads(result.stdout), "reachable")["localhost"]
     assert reach["status"] == "FAIL" and f"no executable Python at {tmp_path}/nope/python" in reach["cause"], reach
     assert "fix ugro_python" in reach["fix"], reach
 
 
-def test_net_probe_reports_reached_refused_and_busy_ports() -> None:
+def test_net_probe_reports_reached_refused_and_busy_ports(ansible_module: Callable[..., dict[str, Any]]) -> None:
     """ugro_net_probe under real `ansible`: what it could not do is a result; only a bad argument fails it."""
     free, closed = free_port(), free_port()
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        result = run_module(
+        result = ansible_module(
             "ugro_net_probe",
             {
                 "address": "127.0.0.1",
@@ -355,7 +349,8 @@ def test_net_probe_reports_reached_refused_and_busy_ports() -> None:
     assert reached["ok"] and reached["host"] == "me" and abs(reached["offset_s"]) < 1, reached  # one clock here
     assert not refused["ok"] and "connection refused" in refused["error"] and refused["host"] == "nobody", refused
 
-    bad = run_module("ugro_net_probe", {"address": "127.0.0.1", "listen": [{"label": "x", "port": 70000, "peers": 1}]})
+    listen = [{"label": "x", "port": 70000, "peers": 1}]
+    bad = ansible_module("ugro_net_probe", {"address": "127.0.0.1", "listen": listen})
     assert bad["failed"] and bad["msg"] == "listen: port 70000 of 'x' is not a TCP port; give one in 1-65535"
 
 
@@ -373,18 +368,16 @@ def clean_inventory(testbed: Any) -> Path:
 
 
 @pytest.fixture()
-def short_job() -> Iterator[Path]:
+def short_job(repo_jobs: Path) -> Iterator[Path]:
     """A job inside the repository (the heavy phase syncs it) with the tests' short sequences."""
-    path = REPO / "jobs" / "preflight-test.yaml"
-    path.write_text(yaml.safe_dump(small_job(name="preflight-test"), sort_keys=False))
+    path = write_job(repo_jobs / "preflight-test.yaml", name="preflight-test")
     yield path
     path.unlink()
 
 
-@pytest.mark.slow
-def test_clean_cluster_passes_with_allreduce_and_memory(clean_inventory: Path, short_job: Path) -> None:
+def test_clean_cluster_passes_with_allreduce_and_memory(clean_inventory: Path, short_job: Path, ugro: Run) -> None:
     started = time.monotonic()
-    result = _cli("preflight", "--inventory", str(clean_inventory), "--job", str(short_job), "--json")
+    result = ugro("preflight", "--inventory", str(clean_inventory), "--job", str(short_job), "--json")
     print(f"preflight (fast + heavy) on 3 hosts: {time.monotonic() - started:.1f} s")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout)
@@ -433,7 +426,7 @@ def planted(testbed: Any, clean_inventory: Path) -> Iterator[Path]:
     undone afterwards."""
     nft = _nft()
     if nft is None:
-        from conftest import unavailable  # skipped here, failed in CI
+        from helpers import unavailable  # skipped here, failed in CI
 
         unavailable("nft is not installed and could not be")
     bed = Path(testbed.dir)
@@ -511,9 +504,8 @@ def planted(testbed: Any, clean_inventory: Path) -> Iterator[Path]:
         shutil.rmtree(fake, ignore_errors=True)
 
 
-@pytest.mark.slow
-def test_planted_failures_fail_on_the_right_host_with_the_fix(planted: Path) -> None:
-    result = _cli("preflight", "--fast", "--json", "--inventory", str(planted))
+def test_planted_failures_fail_on_the_right_host_with_the_fix(planted: Path, ugro: Run) -> None:
+    result = ugro("preflight", "--fast", "--json", "--inventory", str(planted))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout)
 
@@ -541,6 +533,6 @@ def test_planted_failures_fail_on_the_right_host_with_the_fix(planted: Path) -> 
     assert "allow tcp 32768-60999" in ephemeral["tb3"]["fix"] and "on tb3" in ephemeral["tb3"]["fix"]
 
     # make train runs the same checks first and refuses to launch.
-    refused = _cli("train", "--inventory", str(planted), timeout=200)
+    refused = ugro("train", "--inventory", str(planted), timeout=200)
     assert refused.returncode == 1 and "not launching" in " ".join(refused.stderr.split()), refused.stderr[-2000:]
-    assert not any((REPO / "runs").glob("default-*/hosts/tb1")), "nothing may start"
+    assert not any(runs_dir().glob("default-*/hosts/tb1")), "nothing may start"

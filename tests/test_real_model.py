@@ -10,18 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_env, torchrun, write_job
+from helpers import REPO, Run, run_env, write_job
 
 from train.metrics import read_eval, read_metrics
 from ugro.model import basemodel
-
-pytestmark = pytest.mark.slow
 
 MODEL = "models/smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
-def qlora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def qlora_run(tmp_path_factory: pytest.TempPathFactory, torchrun: Run) -> Path:
     """Convert the model once (cached), then a short 2-rank 4-bit job of it through torchrun.
 
     The default job's recipe (its lr 0.001 and 3 warm-up steps, its seed) on shorter sequences and the

@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PYTHON, REPO, cli, cluster_job, job_processes, load_testbed_module, newest_run, remove_job, run_env
+from helpers import PYTHON, REPO, cli, cluster_job, job_processes, newest_run, remove_runs, run_env, runs_dir
 
+from testbed import cluster as tb
 from train.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
+# Every test follows a real `ugro train` (started with Popen in _follow).
+pytestmark = pytest.mark.usefixtures("ugro_train")
 
 HOSTS = ("tb1", "tb2", "tb3")
 EVERY = 5  # the cluster job's checkpoint interval
@@ -47,7 +49,7 @@ def _wait_for_step(testbed: Any, name: str, step: int, follower: subprocess.Pope
     while True:
         assert follower.poll() is None, follower.communicate()[0][-4000:]
         assert time.monotonic() < deadline, f"the job never reached step {step}"
-        runs = sorted((REPO / "runs").glob(f"{name}-*"))
+        runs = sorted(runs_dir().glob(f"{name}-*"))
         if runs and _host_step(testbed, runs[-1].name) >= step:
             return runs[-1].name
         time.sleep(0.2)
@@ -62,23 +64,24 @@ def _follow(job: Path, cluster: Path) -> subprocess.Popen[str]:
 
 
 @pytest.fixture()
-def faults_job() -> Iterator[Path]:
-    path = cluster_job("cluster-faults", train={"max_restarts": 3})
+def faults_job(repo_jobs: Path) -> Iterator[Path]:
+    path = cluster_job(repo_jobs, "cluster-faults", train={"max_restarts": 3})
     yield path
-    remove_job(path)
+    path.unlink()
+    remove_runs("cluster-faults")
 
 
 @pytest.fixture()
-def doomed_job() -> Iterator[Path]:
-    path = cluster_job("cluster-doomed", train={"max_steps": 200, "max_restarts": 0})
+def doomed_job(repo_jobs: Path) -> Iterator[Path]:
+    path = cluster_job(repo_jobs, "cluster-doomed", train={"max_steps": 200, "max_restarts": 0})
     yield path
-    remove_job(path)
+    path.unlink()
+    remove_runs("cluster-doomed")
 
 
 def test_three_faults_in_one_run_and_the_job_finishes_every_step(
     testbed: Any, cluster: Path, faults_job: Path, unbroken_run: tuple[Path, Any]
 ) -> None:
-    tb = load_testbed_module()
     follower = _follow(faults_job, cluster)
     try:
         job_id = _wait_for_step(testbed, "cluster-faults", 7, follower)
@@ -94,7 +97,7 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
             follower.kill()
     assert follower.returncode == 0, out[-6000:]
 
-    run_dir = REPO / "runs" / job_id
+    run_dir = runs_dir() / job_id
     record = json.loads((run_dir / "run.json").read_text())
     restarts = record["restarts"]
     assert [(r["cause"]["kind"], r["cause"]["host"]) for r in restarts] == [
@@ -128,7 +131,6 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
 def test_with_no_restarts_left_the_run_fails_with_its_cause_and_nothing_runs(
     testbed: Any, cluster: Path, doomed_job: Path
 ) -> None:
-    tb = load_testbed_module()
     follower = _follow(doomed_job, cluster)
     try:
         job_id = _wait_for_step(testbed, "cluster-doomed", 3, follower)

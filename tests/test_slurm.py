@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 import pytest
 import yaml
-from conftest import REPO, free_port, unavailable, write_job
+from helpers import REPO, free_port, unavailable, write_job
 from typer.testing import CliRunner
 
 from train.config import ConfigError, load_job, load_profile
@@ -340,7 +340,6 @@ def _step(run_dir: Path) -> int:
     return int(rows[-1]["step"]) if rows else 0
 
 
-@pytest.mark.slow
 def test_sbatch_trains_checkpoints_on_the_warning_requeues_and_scancel_leaves_nothing(
     slurm_cluster: SlurmCluster,
 ) -> None:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PYTHON, REPO, load_molecule_module, run_env
+from helpers import PYTHON, REPO, Run, run_env
 
+from testbed import aptrepo
 from ugro.stack import cuda as stack
 from ugro.stack import lockfile as locks
 
@@ -37,7 +38,6 @@ def test_the_pinned_driver_runs_the_cuda_runtime_of_every_lock() -> None:
     toolkit = _role_default("cuda_toolkit", "cuda_toolkit_version")
     assert stack.major_minor(toolkit) == cuda and stack.driver_ok(pinned, toolkit)
     # The Molecule scenarios install the dummy repository's pinned driver: it passes the role's check too.
-    aptrepo = load_molecule_module("aptrepo")
     assert stack.driver_ok(aptrepo.DRIVER_PINNED, cuda) and stack.major_minor(aptrepo.CUDA_PINNED) == cuda
 
 
@@ -128,7 +128,7 @@ def test_check_driver_refuses_an_old_driver_naming_both_versions_and_the_fix() -
     assert bad.returncode == 2 and "not a version" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_make_provision_refuses_an_old_driver_before_touching_a_host(tmp_path: Path) -> None:
+def test_make_provision_refuses_an_old_driver_before_touching_a_host(tmp_path: Path, ansible_playbook: Run) -> None:
     """The real playbook, two hosts (local connections): both stop at the check, before any role runs."""
     hosts = {
         name: {
@@ -145,14 +145,7 @@ def test_make_provision_refuses_an_old_driver_before_touching_a_host(tmp_path: P
             {"all": {"children": {"ugro_cluster": {"hosts": hosts, "vars": {"nvidia_driver_version": OLD_DRIVER}}}}}
         )
     )
-    done = subprocess.run(
-        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), "playbooks/provision.yml"],
-        cwd=REPO,
-        env=run_env() | {"ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = ansible_playbook(inventory, "playbooks/provision.yml")
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
     tasks = re.findall(r"^TASK \[(.*?)\]", out, re.M)

@@ -1,4 +1,4 @@
-"""The testbed (molecule/testbed.py): real hosts on this machine, reached by Ansible over real SSH.
+"""The testbed (testbed/cluster.py): real hosts on this machine, reached by Ansible over real SSH.
 
 Needs root and `ip netns`; `up` apt-installs bubblewrap/openssh when they are missing.
 """
@@ -18,24 +18,17 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import REPO, WHY_NOT, load_testbed_module, unavailable
+from helpers import REPO
+
+from testbed import cluster as tb
 
 VENV_BIN = REPO / ".venv" / "bin"
 # Subnets of their own, so `make test` runs beside a `make testbed-up` (10.213.7.0/24).
 SCRATCH_SUBNET = "10.213.9.0/24"
 
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _needs_root_and_netns() -> None:
-    """Skipped where the testbed cannot be built (no root, no `ip netns`); failed instead in CI."""
-    if WHY_NOT is not None:
-        unavailable(WHY_NOT)
-
-
-tb = load_testbed_module()
+# Root and network namespaces (skipped without them, failed instead in CI): every test here builds test hosts.
+pytestmark = pytest.mark.usefixtures("netns")
 
 
 def ansible(bed: Any, pattern: str, args: str, module: str = "ansible.builtin.command") -> dict[str, tuple[str, str]]:
@@ -86,7 +79,8 @@ def test_inventory_has_the_cluster_variables(testbed: Any) -> None:
                           capture_output=True, text=True, check=True,
                           env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg")})  # fmt: skip
     host = yaml.safe_load(proc.stdout)
-    assert host["ansible_host"] == host["ugro_cluster_address"] == "10.213.8.12"
+    tb2 = str(ipaddress.ip_network(testbed.subnet)[12])  # 10.213.8.12 on the session's default subnet
+    assert host["ansible_host"] == host["ugro_cluster_address"] == tb2
     assert host["ansible_user"] == "root"
     assert Path(host["ansible_ssh_private_key_file"]) == testbed.key
     assert host["ansible_python_interpreter"] == host["ugro_python"] == str(REPO / ".venv" / "bin" / "python")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-from conftest import REPO, free_port, small_job
+from helpers import REPO, small_job
 
 from train import distributed
 from train.config import JobConfig
@@ -82,16 +82,18 @@ def _max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tens
     return worst
 
 
-def _distributed_step(tmp_path: Path, compress: str) -> dict[str, torch.Tensor]:
+def _distributed_step(spawn: Callable[..., None], tmp_path: Path, compress: str) -> dict[str, torch.Tensor]:
     out = tmp_path / f"rank0-{compress}.pt"
-    mp.spawn(_rank, args=(free_port(), str(out), compress), nprocs=WORLD, join=True)
+    spawn(_rank, WORLD, str(out), compress)
     return dict(torch.load(out))
 
 
-def test_unequal_shares_micro_batches_and_accumulation_equal_the_union_step(tmp_path: Path) -> None:
+def test_unequal_shares_micro_batches_and_accumulation_equal_the_union_step(
+    tmp_path: Path, spawn: Callable[..., None]
+) -> None:
     torch.set_num_threads(1)
     start = {n: p.detach().clone() for n, p in _model().named_parameters() if p.requires_grad}
-    distributed_after = _distributed_step(tmp_path, "none")
+    distributed_after = _distributed_step(spawn, tmp_path, "none")
 
     union = [mb for rank in _batches() for mb in rank]
     single_after = _step(_model(), union)
@@ -106,10 +108,10 @@ def test_unequal_shares_micro_batches_and_accumulation_equal_the_union_step(tmp_
     assert _max_relative_difference(naive_after, single_after, start) > 1e-3
 
 
-def test_bf16_compressed_all_reduce_stays_close_to_the_exact_step(tmp_path: Path) -> None:
+def test_bf16_compressed_all_reduce_stays_close_to_the_exact_step(tmp_path: Path, spawn: Callable[..., None]) -> None:
     """bf16 keeps 8 bits of mantissa: the update moves by well under 1 %, but it does move."""
     torch.set_num_threads(1)
     start = {n: p.detach().clone() for n, p in _model().named_parameters() if p.requires_grad}
-    compressed = _distributed_step(tmp_path, "bf16")
+    compressed = _distributed_step(spawn, tmp_path, "bf16")
     exact = _step(_model(), [mb for rank in _batches() for mb in rank])
     assert 0 < _max_relative_difference(compressed, exact, start) < 1e-2

@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_env, torchrun, torchrun_cmd, write_job
+from helpers import REPO, Run, run_env, write_job
 
 from train.metrics import read_metrics
-
-pytestmark = pytest.mark.slow
 
 
 def _loss_at(run_dir: Path, step: int) -> float:
@@ -22,7 +21,7 @@ def _loss_at(run_dir: Path, step: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def baseline(tmp_path_factory: pytest.TempPathFactory, torchrun: Run) -> Path:
     """One uninterrupted run of the small job; several tests read it."""
     base = tmp_path_factory.mktemp("baseline")
     job = write_job(base / "job.yaml", train={"max_steps": 40})
@@ -52,7 +51,9 @@ def test_loss_falls_and_the_run_leaves_everything(baseline: Path) -> None:
     assert sorted(p.name for p in (baseline / "hosts").glob("*/rank*.json")) == ["rank0.json", "rank1.json"]
 
 
-def test_killed_run_resumes_to_the_same_loss(baseline: Path, tmp_path: Path) -> None:
+def test_killed_run_resumes_to_the_same_loss(
+    baseline: Path, tmp_path: Path, torchrun: Run, torchrun_cmd: Callable[..., list[str]]
+) -> None:
     job = write_job(tmp_path / "job.yaml", train={"max_steps": 40})
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -79,7 +80,9 @@ def test_killed_run_resumes_to_the_same_loss(baseline: Path, tmp_path: Path) -> 
     assert abs(_loss_at(run_dir, 40) - _loss_at(baseline, 40)) <= 1e-4
 
 
-def test_non_finite_loss_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+def test_non_finite_loss_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoint(
+    tmp_path: Path, torchrun: Run
+) -> None:
     job = write_job(
         tmp_path / "job.yaml", optim={"lr": 1e30, "grad_clip": 1e30}, schedule={"warmup_steps": 0},
         train={"max_steps": 6}, checkpoint={"every": 1},

@@ -8,9 +8,9 @@ one is installed and held and that an upgrade does not pull the newer one. The i
 with a throwaway GPG key made in a temporary GNUPGHOME (removed afterwards); the dummy
 `cuda-keyring` package ships that key where NVIDIA's ships theirs.
 
-    python molecule/aptrepo.py build DIR     # prints the RepoInfo as JSON (also written to DIR/repo.json)
+    python -m testbed.aptrepo build DIR   # prints the RepoInfo as JSON (also written to DIR/repo.json)
 
-    from aptrepo import build                # load by path: `molecule` is also Molecule's package
+    from testbed.aptrepo import build
     info = build(Path("..."))
 
 The dummy `nvidia-smi` answers the queries ugro makes (`--query-gpu=...`, `--list-gpus`) with its
@@ -61,7 +61,7 @@ GPU_NAME = "NVIDIA GeForce RTX 5070 Ti"
 GPU_MEMORY_MIB = 12227
 
 NVIDIA_SMI = r"""#!/bin/sh
-# Dummy nvidia-smi from ugro's test apt repository (molecule/aptrepo.py): no GPU, no driver,
+# Dummy nvidia-smi from ugro's test apt repository (testbed/aptrepo.py): no GPU, no driver,
 # answers the queries ugro makes as a one-GPU host with driver @VERSION@ would.
 version=@VERSION@
 name="@GPU_NAME@"
@@ -103,7 +103,7 @@ echo "$out"
 """
 
 NVCC = r"""#!/bin/sh
-# Dummy nvcc from ugro's test apt repository (molecule/aptrepo.py): prints its release, compiles nothing.
+# Dummy nvcc from ugro's test apt repository (testbed/aptrepo.py): prints its release, compiles nothing.
 echo "nvcc: NVIDIA (R) Cuda compiler driver"
 echo "Copyright (c) 2005-2025 NVIDIA Corporation"
 echo "Cuda compilation tools, release @RELEASE@, V@VERSION@"
@@ -139,7 +139,7 @@ class Package:
         if self.depends:
             lines.append(f"Depends: {', '.join(self.depends)}")
         lines.append(f"Description: {self.description}")
-        lines.append(" Built by ugro's molecule/aptrepo.py for tests; installs nothing real.")
+        lines.append(" Built by ugro's testbed/aptrepo.py for tests; installs nothing real.")
         return "\n".join(lines) + "\n"
 
 
@@ -384,7 +384,9 @@ def build(dest: Path) -> RepoInfo:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m testbed.aptrepo", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     build_cmd = sub.add_parser("build", help="build (or reuse) the repository in DIR and print its RepoInfo as JSON")
     build_cmd.add_argument("dir", type=Path)

@@ -6,7 +6,7 @@ Debian 12 or 13 (minbase + what a fresh cloud image has: python3, python3-apt, o
 and python3-psutil for ugro's host modules), and reaches Debian's packages only through an
 apt-cacher-ng proxy that the testbed runs on its bridge address: the hosts have no route out.
 
-    python molecule/rootfs.py build [13]  # build the cache of Debian 12 (or 13) now (~3 min once; up does it too)
+    python -m testbed.rootfs build [13]  # build the cache of Debian 12 (or 13) now (~3 min once; up does it too)
 
 The cache lives in /var/cache/ugro-testbed (UGRO_TESTBED_CACHE overrides it), keyed by the package
 list, and is built in a temporary directory and renamed into place, so a half-built one is never used.
@@ -168,7 +168,7 @@ def acng_argv(state_dir: Path, address: str) -> list[str]:
     conf.mkdir(exist_ok=True)
     logs.mkdir(exist_ok=True)
     (conf / "acng.conf").write_text(
-        "# Written by molecule/rootfs.py: the test hosts' only way to Debian's packages.\n"
+        "# Written by testbed/rootfs.py: the test hosts' only way to Debian's packages.\n"
         f"CacheDir: {cache}\nLogDir: {logs}\nSupportDir: /usr/lib/apt-cacher-ng\n"
         f"BindAddress: {address}\nPort: {ACNG_PORT}\nPidFile: {state_dir / 'acng.pid'}\n"
         f"SocketPath: {state_dir / 'acng.socket'}\nForeGround: 1\nExThreshold: 30\n"
@@ -201,13 +201,13 @@ def prepare_root(root: Path, name: str, sshd_config: str, pubkey: str, proxy: st
     apt_conf = etc / "apt" / "apt.conf.d"
     bridge = proxy.split("//", 1)[1].rsplit(":", 1)[0]
     (apt_conf / "01testbed-proxy").write_text(
-        "// Written by molecule/testbed.py: the only way out of a test host. The controller's own\n"
+        "// Written by testbed/cluster.py: the only way out of a test host. The controller's own\n"
         "// services (the local apt repository) are reached directly.\n"
         f'Acquire::http::Proxy "{proxy}";\nAcquire::http::Proxy::{bridge} "DIRECT";\n'
     )
     # No init system in a test host: package scripts must not start daemons (Debian's container default).
     policy = root / "usr" / "sbin" / "policy-rc.d"
-    policy.write_text("#!/bin/sh\n# Written by molecule/testbed.py: no services start in a test host.\nexit 101\n")
+    policy.write_text("#!/bin/sh\n# Written by testbed/cluster.py: no services start in a test host.\nexit 101\n")
     policy.chmod(0o755)
 
 
@@ -229,7 +229,7 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     try:
-        print(ensure_base(*argv[2:3]))
+        print(ensure_base(argv[2] if len(argv) > 2 else "12"))
     except RootfsError as exc:
         print(f"rootfs: {exc}", file=sys.stderr)
         return 1

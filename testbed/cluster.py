@@ -7,8 +7,8 @@ bubblewrap sandbox inside it with its own hostname, PID namespace, /etc (a copy 
 own sshd. The rest of the root filesystem (this repository and its .venv included) is shared and
 writable: a host is a sandbox for tests, not a security boundary.
 
-    python molecule/testbed.py up --hosts 3 [--dir .testbed] [--subnet 10.213.7.0/24 | auto]
-    python molecule/testbed.py down [--dir .testbed]
+    python -m testbed up --hosts 3 [--dir .testbed] [--subnet 10.213.7.0/24 | auto]
+    python -m testbed down [--dir .testbed]
 
 `up` writes <dir>/inventory.yml (group ugro_cluster), <dir>/ssh_config (`ssh -F <dir>/ssh_config tb1`)
 and <dir>/state.json, the record of every namespace, link and process it made; `down` undoes
@@ -16,7 +16,7 @@ exactly what that record names and removes <dir>. Both need root. A testbed left
 run (its processes gone, its bridge and namespaces still there) is taken down by the next `up` that
 wants its subnet. From Python:
 
-    from testbed import up, down   # load molecule/testbed.py by path: see tests/test_testbed.py
+    from testbed import up, down
     bed = up(".testbed", hosts=3)
     ...
     down(bed.dir)
@@ -50,21 +50,10 @@ from typing import Any
 
 import yaml
 
+from testbed import aptrepo
+from testbed import rootfs as roots  # not `rootfs`: up() has a flag of that name
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _sibling(name: str) -> Any:
-    """A module beside this file, loaded by path (`molecule` is also the Molecule package's name)."""
-    import importlib.util
-
-    full = f"ugro_testbed_{name}"
-    if full not in sys.modules:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).resolve().parent / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[full] = module  # dataclasses look their module up while the class is built
-        spec.loader.exec_module(module)
-    return sys.modules[full]
 
 
 # Not resolved: the venv's python is a symlink, and only the venv path gives the venv's packages.
@@ -124,7 +113,7 @@ class Testbed:
         """The testbed that `up` left in `directory` (for example by `make testbed-up`)."""
         state = _read_state(Path(directory).resolve())
         if state is None or not state.get("complete"):
-            raise TestbedError(f"no complete testbed in {directory}: run `python molecule/testbed.py up` first")
+            raise TestbedError(f"no complete testbed in {directory}: run `python -m testbed up` first")
         return _testbed_from_state(state)
 
 
@@ -365,7 +354,7 @@ def reclaim_dead(net: ipaddress.IPv4Network) -> list[Path]:
         )
         directory = dirs.get(name.removeprefix("ugbr-")) if name.startswith("ugbr-") else None
         state = _read_state(directory) if overlaps and directory else None
-        if state is None or state.get("bridge") != name or not _is_dead(state):
+        if state is None or directory is None or state.get("bridge") != name or not _is_dead(state):
             continue
         print(f"testbed: taking down the dead testbed in {directory} ({state['subnet']}, left by an "
               "interrupted run: none of its processes runs)", file=sys.stderr)  # fmt: skip
@@ -409,7 +398,7 @@ def _check_subnet_free(net: ipaddress.IPv4Network) -> None:
 
 def _hosts_file(hosts: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "# Written by molecule/testbed.py: every testbed host, so names resolve without DNS.",
+        "# Written by testbed/cluster.py: every testbed host, so names resolve without DNS.",
         "127.0.0.1\tlocalhost",
         "::1\tlocalhost ip6-localhost ip6-loopback",
     ]
@@ -420,7 +409,7 @@ def _hosts_file(hosts: Sequence[dict[str, Any]]) -> str:
 def _sshd_config(address: str, key_types: Sequence[str] = ("ed25519",)) -> str:
     host_keys = "".join(f"HostKey /etc/ssh/ssh_host_{kind}_key\n" for kind in key_types)
     return f"""\
-# Written by molecule/testbed.py for one testbed host.
+# Written by testbed/cluster.py for one testbed host.
 ListenAddress {address}:{SSH_PORT}
 {host_keys}PidFile /run/sshd.pid
 PermitRootLogin prohibit-password
@@ -645,7 +634,7 @@ def _write_rootfs_inventory(state: dict[str, Any]) -> None:
     }
     inventory = {"all": {"vars": group_vars, "children": {"ugro_cluster": {"hosts": hosts}}}}
     header = (
-        "# Written by molecule/testbed.py: test hosts with their own Debian root filesystem\n"
+        "# Written by testbed/cluster.py: test hosts with their own Debian root filesystem\n"
         "# (network namespaces + bubblewrap + overlay + sshd), packages through the apt proxy.\n"
     )
     (directory / "inventory.yml").write_text(header + "---\n" + yaml.safe_dump(inventory, sort_keys=False))
@@ -680,7 +669,7 @@ def _write_inventory(state: dict[str, Any]) -> None:
     }
     inventory = {"all": {"children": {"ugro_cluster": {"hosts": hosts}}}}
     header = (
-        "# Written by molecule/testbed.py: the testbed hosts (network namespaces + bubblewrap + sshd).\n"
+        "# Written by testbed/cluster.py: the testbed hosts (network namespaces + bubblewrap + sshd).\n"
         "# The cluster defaults come from the playbooks' role ugro (roles/ugro/defaults/main.yml).\n"
     )
     (directory / "inventory.yml").write_text(header + "---\n" + yaml.safe_dump(inventory, sort_keys=False))
@@ -738,14 +727,11 @@ def _start_service(state: dict[str, Any], role: str, argv: list[str], port: int)
 
 def _start_services(state: dict[str, Any]) -> None:
     """The apt proxy (Debian's packages) and the local apt repository (dummy NVIDIA packages)."""
-    rootfs = _sibling("rootfs")
     address = state["bridge_address"]
-    _start_service(state, "apt-proxy", rootfs.acng_argv(Path(state["dir"]), address), rootfs.ACNG_PORT)
-    state["apt_proxy"] = f"http://{address}:{rootfs.ACNG_PORT}"
-    if not (Path(__file__).resolve().parent / "aptrepo.py").is_file():
-        return
+    _start_service(state, "apt-proxy", roots.acng_argv(Path(state["dir"]), address), roots.ACNG_PORT)
+    state["apt_proxy"] = f"http://{address}:{roots.ACNG_PORT}"
     try:
-        info = _sibling("aptrepo").build(rootfs.cache_dir() / "aptrepo")
+        info = aptrepo.build(roots.cache_dir() / "aptrepo")
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         raise TestbedError(f"building the local apt repository failed: {exc}") from exc
     argv = [sys.executable, "-m", "http.server", str(APT_REPO_PORT), "--bind", address, "--directory", str(info.dest)]
@@ -773,12 +759,12 @@ def _prepare_rootfs_host(state: dict[str, Any], host: dict[str, Any], pubkey: st
     layers = f"lowerdir={host.get('lower', state['rootfs'])},upperdir={paths['upper']},workdir={paths['work']}"
     _run("mount", "-t", "overlay", f"ugro-{host['name']}-{state['suffix']}", "-o", layers, str(paths["root"]))
     config = _sshd_config(host["address"], ("ed25519", "rsa"))
-    _sibling("rootfs").prepare_root(paths["root"], host["name"], config, pubkey, state["apt_proxy"])
+    roots.prepare_root(paths["root"], host["name"], config, pubkey, state["apt_proxy"])
 
 
 def _rootfs_bwrap_argv(state: dict[str, Any], host: dict[str, Any], info_fd: int) -> list[str]:
     root = _rootfs_paths(state, host["name"])["root"]
-    inner = _sibling("rootfs").bwrap_argv(_tool("bwrap"), root, host["name"], info_fd)
+    inner = roots.bwrap_argv(_tool("bwrap"), root, host["name"], info_fd)
     return [_tool("ip"), "netns", "exec", host["namespace"], *inner]
 
 
@@ -823,9 +809,7 @@ def up(
     if net.num_addresses < 10 + hosts + 2:
         raise TestbedError(f"subnet {net} is too small for {hosts} hosts (addresses .{10 + 1}..)")
     if _read_state(directory) is not None:
-        raise TestbedError(
-            f"a testbed already exists in {directory}: `python molecule/testbed.py down --dir {directory}`"
-        )
+        raise TestbedError(f"a testbed already exists in {directory}: `python -m testbed down --dir {directory}`")
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise TestbedError(f"{directory} exists and is not an empty directory: `down` would remove it whole")
     ensure_tools(install)
@@ -838,9 +822,9 @@ def up(
         reclaim_dead(outside)
         _check_subnet_free(outside)
         try:
-            lowers = {release: str(_sibling("rootfs").ensure_base(release)) for release in dict.fromkeys(debian)}
+            lowers = {release: str(roots.ensure_base(release)) for release in dict.fromkeys(debian)}
             base = lowers[debian[0]]
-            _sibling("rootfs").ensure_proxy_tools()
+            roots.ensure_proxy_tools()
         except RuntimeError as exc:
             raise TestbedError(str(exc)) from exc
 
@@ -998,7 +982,7 @@ def down(directory: str | Path = DEFAULT_DIR) -> bool:
     problems += [f"process {p['pid']} ({p['role']} of {p['host']}) survived SIGKILL" for p in left]
     if state.get("rootfs") and not left:
         with contextlib.suppress(OSError, shutil.Error):  # only a cache: losing it costs a download
-            _sibling("rootfs").merge_proxy_cache(directory / "acng-cache")
+            roots.merge_proxy_cache(directory / "acng-cache")
 
     ip = _tool("ip")
     for ns in state.get("namespaces", []):
@@ -1086,7 +1070,7 @@ def _iter_summary(bed: Testbed) -> Iterator[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="testbed.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m testbed", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_up = sub.add_parser("up", help="bring the test hosts up")
     p_up.add_argument("--hosts", type=int, default=3, help="number of hosts tb1..tbN (default 3)")
