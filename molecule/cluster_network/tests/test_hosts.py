@@ -1,7 +1,7 @@
 """Role cluster_network on each host: every node's name resolves to its cluster address through the role's
 /etc/hosts block (the rest of the file kept), and known_hosts holds the other node's real host key.
 
-SSH with strict host key checking and the interface entry point are verify.yml's (tests/test_plays.py).
+SSH with strict host key checking and the interface entry point are verify.yml's (molecule/conftest.py runs it last).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Role code_sync on each host: the copy in /opt/ugro is the controller's, file for file, by the host
 module's tree hash (the one a launch checks) and by one file's checksum.
 
-A hand edit put back and a wrong hash refused are verify.yml's (tests/test_plays.py): they run the role.
+A hand edit put back and a wrong hash refused are verify.yml's (molecule/conftest.py runs it last): they run the role.
 """
 
 from __future__ import annotations

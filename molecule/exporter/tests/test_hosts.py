@@ -2,7 +2,7 @@
 the pid file, listening on the host's cluster address only.
 
 What it answers to the controller, the other host and an address outside the subnet, a planted job's series
-and a stopped exporter started again are verify.yml's (tests/test_plays.py).
+and a stopped exporter started again are verify.yml's (molecule/conftest.py runs it last).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Role firewall (nftables) on each host: the package, the role's table and file, and tb1's own table untouched.
 
 Connections from inside and outside the subnet, the boot ruleset and a missing table are verify.yml's
-(tests/test_plays.py): they need the other hosts or apply the role again.
+(molecule/conftest.py runs it last): they need the other hosts or apply the role again.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Role firewall (ufw) on tb1: ufw enabled, SSH allowed, the ports allowed to the subnet and refused elsewhere.
 
-Connections from inside and outside the subnet are verify.yml's (tests/test_plays.py).
+Connections from inside and outside the subnet are verify.yml's (molecule/conftest.py runs it last).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Role memory_profile on each host: the rendered profile holds exactly the expected knobs (tb1 cpu with its
 override, tb2 the 8 GB class of its smaller GPU), and the trainer's own loader reads them.
 
-Bad settings failing naming host and key are verify.yml's (tests/test_plays.py): they apply the role.
+Bad settings failing naming host and key are verify.yml's (molecule/conftest.py runs it last): they apply the role.
 """
 
 from __future__ import annotations

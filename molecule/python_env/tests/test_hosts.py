@@ -2,7 +2,7 @@
 read by the venv's own Python; the wheelhouses hold their wheels and the pinned uv; no route out.
 
 A package removed by hand put back, and a Python without a lock refused, are verify.yml's
-(tests/test_plays.py): they apply the role again.
+(molecule/conftest.py runs it last): they apply the role again.
 """
 
 from __future__ import annotations
