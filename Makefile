@@ -12,7 +12,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: export train preflight doctor status logs stop validate test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit
+.PHONY: role-docs export train preflight doctor status logs stop validate test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -34,6 +34,7 @@ help:
 	@echo "make k8s-manifest [JOB=...] [NODES=2|gpu_12gb=1,gpu_8gb=2] [K8S_ARGS=...]   a Kubernetes manifest: indexed Jobs + headless Service"
 	@echo "make lint            ansible-lint (production profile) and ruff"
 	@echo "make lock            regenerate requirements/locks/py3.X/{node,gpu,controller}.txt from requirements/*.in (pinned uv, registry only)"
+	@echo "make role-docs       every role's README.md from its meta/argument_specs.yml (hand-written part kept)"
 
 # The controller's (and developer's) virtual environment: exactly the node and controller locks of this
 # Python (requirements/locks/py3.X/), synced by the pinned uv from the registry alone (--no-config): the
@@ -166,3 +167,8 @@ lock: venv
 
 clean:
 	rm -rf runs .pytest_cache
+
+# Every role's README from its meta/argument_specs.yml, defaults and tasks/main.yml (hand-written part kept);
+# tests/test_role_docs.py fails on a README that differs from what this writes.
+role-docs: venv
+	$(PY) -m tools.role_docs
