@@ -27,6 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import helpers
 import pytest
 import yaml
 from helpers import (
@@ -39,18 +40,6 @@ from helpers import (
     run_module,
     unavailable,
     why_no_testbed,
-)
-from helpers import (
-    ansible_playbook as _ansible_playbook,
-)
-from helpers import (
-    spawn as _spawn,
-)
-from helpers import (
-    torchrun as _torchrun,
-)
-from helpers import (
-    torchrun_cmd as _torchrun_cmd,
 )
 
 from testbed import cluster as testbed_cluster
@@ -117,17 +106,17 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def torchrun() -> Callable[..., subprocess.CompletedProcess[str]]:
-    return _torchrun
+    return helpers.torchrun
 
 
 @pytest.fixture(scope="session")
 def torchrun_cmd() -> Callable[..., list[str]]:
-    return _torchrun_cmd
+    return helpers.torchrun_cmd
 
 
 @pytest.fixture(scope="session")
 def spawn() -> Callable[..., None]:
-    return _spawn
+    return helpers.spawn
 
 
 @pytest.fixture(scope="session")
@@ -147,7 +136,7 @@ def ansible_module() -> Callable[..., dict[str, Any]]:
 
 @pytest.fixture(scope="session")
 def ansible_playbook() -> Callable[..., subprocess.CompletedProcess[str]]:
-    return _ansible_playbook
+    return helpers.ansible_playbook
 
 
 @pytest.fixture(scope="session")
