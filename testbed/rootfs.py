@@ -52,7 +52,7 @@ def _key(suite: str) -> str:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     """An exclusive lock, so two testbeds starting at once build the cache once."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
@@ -86,7 +86,7 @@ def ensure_base(debian: str = "12", log: Path | None = None) -> Path:
     base = cache_dir() / f"debian{debian}-{_key(suite)}"
     if (base / ".complete").is_file():
         return base / "root"
-    with _locked(cache_dir() / ".lock"):
+    with locked(cache_dir() / ".lock"):
         if (base / ".complete").is_file():
             return base / "root"
         _apt_install("debootstrap")
@@ -142,7 +142,7 @@ def _copy_cache(src: Path, dst: Path) -> None:
 
 def seed_proxy_cache(private: Path) -> None:
     """A testbed's proxy starts from a copy of the shared cache: two testbeds never write one file."""
-    with _locked(cache_dir() / ".acng-lock"):
+    with locked(cache_dir() / ".acng-lock"):
         private.mkdir(parents=True, exist_ok=True)
         if _shared_cache().is_dir():
             _copy_cache(_shared_cache(), private)
@@ -151,7 +151,7 @@ def seed_proxy_cache(private: Path) -> None:
 def merge_proxy_cache(private: Path) -> None:
     """What a testbed's proxy fetched goes back into the shared cache (its proxy has stopped)."""
     if private.is_dir():
-        with _locked(cache_dir() / ".acng-lock"):
+        with locked(cache_dir() / ".acng-lock"):
             _copy_cache(private, _shared_cache())
 
 
