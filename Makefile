@@ -12,7 +12,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: test-pytest role-docs export train preflight doctor status logs stop validate test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit
+.PHONY: role-docs export train preflight doctor status logs stop validate test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -111,14 +111,11 @@ typecheck: venv
 	$(VENV)/bin/mypy
 
 # The full tier (what CI runs): lint, types, every test (the test cluster, torchrun, Ansible and SLURM ones need
-# root and the tools .ci/run installs), and every role's Molecule scenario beside them.
-# pytest and Molecule run side by side: each waits on SSH, apt and polls much of the time, and on two cores
-# together they finish minutes sooner than one after the other (docs/results.md, "CI time").
+# root and the tools .ci/run installs), then every role's Molecule scenario. Not side by side: on two cores
+# pytest's ranks and Molecule's Ansible both want the CPU, and together they took longer (docs/results.md).
 test: venv lint typecheck
-	@$(MAKE) --no-print-directory -j2 test-pytest molecule
-
-test-pytest: venv
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+	$(MAKE) molecule
 
 # The fast tier, a developer's loop (tests/README.md): ruff, then the tests that use none of the test cluster,
 # real ranks, Ansible, SLURM or the network (markers applied by tests/conftest.py); no root, under 3 minutes.
