@@ -52,6 +52,7 @@ $(VENV)/.installed: $(wildcard $(LOCKS)) requirements/locks/uv.txt pyproject.tom
 		--no-deps --require-hashes -r requirements/locks/uv.txt
 	$(VENV)/bin/uv pip sync --no-config --require-hashes --reinstall --python $(PY) $(LOCKS)
 	$(VENV)/bin/uv pip install --no-config --python $(PY) --no-deps --no-build-isolation -e .
+	$(VENV)/bin/uv cache prune --no-config --quiet  # --reinstall unpacks every wheel anew: ~5 GB of cache a build
 	touch $@
 
 venv: $(VENV)/.installed
