@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import ipaddress
 import json
@@ -43,10 +44,10 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec
 
 import yaml
 
@@ -62,6 +63,7 @@ VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 DEFAULT_DIR = ".testbed"
 DEFAULT_SUBNET = "10.213.7.0/24"
 # Held while a testbed comes up (machine-wide: every session and scenario on this machine takes it).
+P = ParamSpec("P")
 UP_LOCK = (Path("/run/lock") if Path("/run/lock").is_dir() else Path("/tmp")) / "ugro-testbed-up.lock"
 DEFAULT_IFNAMES = ("eth0", "enp5s0", "ens3")
 SSH_PORT = 22
@@ -774,6 +776,19 @@ def _rootfs_bwrap_argv(state: dict[str, Any], host: dict[str, Any], info_fd: int
 # up / down.
 
 
+def _one_at_a_time(bring_up: Callable[P, Testbed]) -> Callable[P, Testbed]:
+    """One testbed comes up at a time on this machine (UP_LOCK): choosing a free subnet and taking it with a
+    bridge is then one step, so scenarios and sessions side by side never pick the same one."""
+
+    @functools.wraps(bring_up)
+    def locked(*args: P.args, **kwargs: P.kwargs) -> Testbed:
+        with roots.locked(UP_LOCK):
+            return bring_up(*args, **kwargs)
+
+    return locked
+
+
+@_one_at_a_time
 def up(
     directory: str | Path = DEFAULT_DIR,
     hosts: int = 3,
@@ -793,25 +808,6 @@ def up(
     provisioning roles' Molecule scenarios need. The bridge also gets an address outside the subnet
     (`outside_address`) that the hosts route to, to test what is refused from outside the subnet.
     """
-    # One testbed comes up at a time on this machine: choosing a free subnet and taking it with a bridge is then
-    # one step, so scenarios and sessions side by side never pick the same one.
-    with roots.locked(UP_LOCK):
-        return _up(directory, hosts, subnet, ifnames, install=install, timeout_s=timeout_s, rootfs=rootfs,
-                   debian=debian)  # fmt: skip
-
-
-def _up(
-    directory: str | Path = DEFAULT_DIR,
-    hosts: int = 3,
-    subnet: str = DEFAULT_SUBNET,
-    ifnames: Sequence[str] = DEFAULT_IFNAMES,
-    *,
-    install: bool = True,
-    timeout_s: float = 20.0,
-    rootfs: bool = False,
-    debian: Sequence[str] = ("12",),
-) -> Testbed:
-    """up() without the lock."""
     directory = Path(directory).resolve()
     if os.geteuid() != 0:
         raise TestbedError("the testbed needs root (network namespaces, bridges, bind mounts)")
