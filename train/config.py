@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(Exception):
@@ -45,10 +45,23 @@ class LoraConfig(_Strict):
     r: int = Field(16, gt=0)
     alpha: int = Field(32, gt=0)
     dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1,
+    target_modules: Annotated[list[str], Field(min_length=1)] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="The layers LoRA goes on. all-linear (the default): every linear layer of the base but its output "
+        "head, resolved from the model's structure (Llama, Qwen2: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+        "down_proj; GPT-2: c_attn, c_proj, c_fc). A list names them: a module matches when its dotted name is the "
+        "entry or ends with '.' + the entry; a name that matches no module, or no layer LoRA can wrap, is refused "
+        "before launch.",
     )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _names_or_all_linear(cls, value: object) -> object:
+        """One error for every other shape, instead of one per member of the union."""
+        names = isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)
+        if value != "all-linear" and not names:
+            raise ValueError("must be a list of module names ([q_proj, v_proj]) or 'all-linear' (the default)")
+        return value
 
 
 class DataConfig(_Strict):

@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import torch
 
+from train import targets
 from train.config import ConfigError, JobConfig, LoraConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -88,11 +89,19 @@ def load_base_hf(cfg: ModelConfig, base_dir: Path, device: torch.device, seed: i
     return cast(torch.nn.Module, model)
 
 
+def target_modules(model: torch.nn.Module, lora: LoraConfig, cfg: ModelConfig) -> list[str]:
+    """The job's lora.target_modules made concrete for this base (train/targets.py), logged once."""
+    names = targets.resolve(model, lora.target_modules, cfg.source)
+    log.info("LoRA target modules (lora.target_modules: %s): %s", lora.target_modules, ", ".join(names))
+    return names
+
+
 def add_lora_hf(model: Any, lora: LoraConfig, cfg: ModelConfig, checkpointing: bool) -> Any:
     """Freeze the base and attach LoRA adapters with peft."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model, prepare_model_for_kbit_training
 
+    names = target_modules(model, lora, cfg)
     if cfg.quantization == "4bit":
         model = prepare_model_for_kbit_training(
             model,
@@ -106,7 +115,7 @@ def add_lora_hf(model: Any, lora: LoraConfig, cfg: ModelConfig, checkpointing: b
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=names,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -128,12 +137,13 @@ def load_unsloth(job: JobConfig, base_dir: Path, local_rank: int, checkpointing:
         load_in_4bit=cfg.quantization == "4bit",
         device_map={"": local_rank},
     )
+    names = target_modules(model, job.lora, cfg)  # unsloth gets explicit names, never the shorthand
     model = FastLanguageModel.get_peft_model(
         model,
         r=job.lora.r,
         lora_alpha=job.lora.alpha,
         lora_dropout=job.lora.dropout,
-        target_modules=list(job.lora.target_modules),
+        target_modules=names,
         bias="none",
         use_gradient_checkpointing="unsloth" if checkpointing else False,
         random_state=job.train.seed,

@@ -68,6 +68,7 @@ def _load(job_file: Path) -> JobConfig:
 def _prepare_model(job: JobConfig) -> None:
     try:
         jobcheck.prepare_model(job, REPO, lambda line: console.print(f"[dim]{line}[/]", highlight=False))
+        jobcheck.check_targets(job, REPO)
     except ConfigError as exc:
         raise _fail(str(exc)) from None
 
@@ -137,6 +138,7 @@ def _summary(run_dir: Path) -> None:
 def validate(job_file: JobOpt = Path("jobs/default.yaml")) -> None:
     """Check a job file, print its cluster-wide hash and which backend it runs where."""
     job, data = _checked(job_file)
+    _prepare_model(job)
     held = f", {data.eval_records} held-out" if job.eval else ""
     console.print(
         f"{job_file}: ok (job '{job.name}', {data.train_records} training records{held}, "

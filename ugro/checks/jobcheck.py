@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from train import targets
 from train.config import ConfigError, JobConfig
 from train.data import Record, messages, read_checked
 from ugro.model import basemodel
@@ -65,6 +66,28 @@ def prepare_model(job: JobConfig, repo: Path, say: object = print) -> None:
         basemodel.ensure(directory, say)
     except basemodel.ModelError as exc:
         raise ConfigError(f"model.source: {exc}") from None
+
+
+def check_targets(job: JobConfig, repo: Path) -> list[str] | None:
+    """The job's LoRA target modules resolved against its base model's structure, or ConfigError naming every
+    module the job names that the model lacks.
+
+    The model is built from its config.json on the meta device: no weights, seconds. None when the config cannot
+    be read or built here (a hub name, a model that needs its own code): the ranks check it on the loaded base.
+    """
+    directory = model_dir(job, repo)
+    if directory is None:
+        return None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(directory)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError, ImportError):
+        return None
+    return targets.resolve(model, job.lora.target_modules, job.model.source)
 
 
 def model_dirs(job: JobConfig, repo: Path) -> list[str]:
