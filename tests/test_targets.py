@@ -69,6 +69,14 @@ def test_all_linear_is_every_linear_layer_but_the_head(
     assert JobConfig.model_validate(_job("base")).lora.target_modules == "all-linear"  # the default
 
 
+def test_a_short_name_that_would_also_hit_another_module_stays_a_full_name() -> None:
+    block = torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict({"fc": torch.nn.Linear(4, 4)}), "attn": torch.nn.Module()})
+    block["attn"].add_module("fc", torch.nn.Dropout())  # also called fc, and LoRA cannot wrap it
+    block.add_module("out", torch.nn.Linear(4, 4))
+    assert targets.resolve(block, "all-linear", "toy") == ["mlp.fc", "out"]
+    assert targets.resolve(block, ["mlp.fc", "out"], "toy") == ["mlp.fc", "out"]
+
+
 def test_misspelt_names_are_refused_naming_each_and_listing_the_layers() -> None:
     with pytest.raises(ConfigError) as err:
         targets.resolve(_meta(_qwen2()), ["q_proj", "v_prog", "k_prog"], "models/my-qwen")
