@@ -4,7 +4,8 @@
 PYTHON    ?= python3
 VENV      := .venv
 PY        := $(VENV)/bin/python
-UGRO      := $(VENV)/bin/ugro
+# The checkout's own code (python -m imports from the current directory first), even with a venv it shares.
+UGRO      := $(PY) -m ugro.cli
 JOB       ?= jobs/default.yaml
 INVENTORY ?= inventory/local.yml
 RESUME    ?= none
@@ -29,7 +30,7 @@ help:
 	@echo "make export [JOB_ID=...]   merge the run's adapter into its base model (runs/<job-id>/merged)"
 	@echo "make dashboard [INVENTORY=...]   live view of every node's exporter (GPUs, job, loss, per-rank balance); q quits"
 	@echo "make prometheus-config [INVENTORY=...]   runs/monitoring/prometheus.yml: a Prometheus scrape config of every exporter"
-	@echo "make validate        check a job file without starting anything"
+	@echo "make validate [JOB=...] [INVENTORY=...]   check a job file (and with INVENTORY, its hosts and ranks) without starting anything"
 	@echo "make slurm-script [JOB=...] [NODES=2] [RESUME=auto] [SLURM_ARGS=...]   an sbatch script for the job (runs/<job-id>/slurm/)"
 	@echo "make k8s-manifest [JOB=...] [NODES=2|gpu_12gb=1,gpu_8gb=2] [K8S_ARGS=...]   a Kubernetes manifest: indexed Jobs + headless Service"
 	@echo "make lint            ansible-lint (production profile) and ruff"
@@ -74,7 +75,7 @@ export: venv
 	$(UGRO) export $(if $(JOB_ID),--job-id $(JOB_ID))
 
 validate: venv
-	$(UGRO) validate --job $(JOB)
+	$(UGRO) validate --job $(JOB) $(if $(filter-out file,$(origin INVENTORY)),--inventory $(INVENTORY))
 
 # The same job under a batch scheduler (docs/schedulers.md): an sbatch script in runs/<job-id>/slurm/
 # (submit it with sbatch), or a Kubernetes manifest in runs/<job-id>/k8s/. NODES: SLURM nodes, or pods (a

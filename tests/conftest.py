@@ -7,6 +7,7 @@ A test that runs something real requests it as a fixture (the helpers themselves
     spawn                   ranks spawned with torch.distributed                -> torchrun
     ugro                    the CLI on a command that runs playbooks            -> ansible
     ugro_train              the CLI's `train`: playbooks and ranks              -> ansible, torchrun
+    make                    the README's `make` lines: playbooks and ranks     -> ansible, torchrun
     ansible_module          a host module through the real `ansible`            -> ansible
     ansible_playbook        the real `ansible-playbook`                         -> ansible
     slurm_cluster           Debian's SLURM daemons, whose jobs run torchrun      -> slurm, torchrun
@@ -55,6 +56,7 @@ USES: dict[str, tuple[str, ...]] = {
     "spawn": ("torchrun",),
     "ugro": ("ansible",),
     "ugro_train": ("ansible", "torchrun"),
+    "make": ("ansible", "torchrun"),
     "ansible_module": ("ansible",),
     "ansible_playbook": ("ansible",),
     "slurm_cluster": ("slurm", "torchrun"),
@@ -127,6 +129,11 @@ def ugro() -> Callable[..., subprocess.CompletedProcess[str]]:
 @pytest.fixture(scope="session")
 def ugro_train() -> Callable[..., subprocess.CompletedProcess[str]]:
     return cli
+
+
+@pytest.fixture(scope="session")
+def make() -> Callable[..., subprocess.CompletedProcess[str]]:
+    return helpers.make
 
 
 @pytest.fixture(scope="session")

@@ -153,6 +153,16 @@ def cli(
                           timeout=timeout)  # fmt: skip
 
 
+def make(
+    *args: str, timeout: float = 600, cwd: Path = REPO, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``make <args>`` as a user types it, in the checkout ``cwd`` and with its code, ``env`` added to the
+    environment (make hands its command-line variables, JOB_ID=... among them, to the environment as well)."""
+    full = run_env() | {"PYTHONPATH": str(cwd)} | (env or {})
+    return subprocess.run(["make", "--no-print-directory", *args], cwd=cwd, env=full, capture_output=True,
+                          text=True, timeout=timeout, check=False)  # fmt: skip
+
+
 def torchrun_cmd(
     job: Path, run_dir: Path, nproc: int = 2, resume: str = "none", extra: tuple[str, ...] = ()
 ) -> list[str]:

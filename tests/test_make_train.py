@@ -45,10 +45,17 @@ def inventory(checkout: Path, tmp_path: Path) -> Path:
     return path
 
 
-def test_train_runs_the_job_through_ansible_and_torchrun(
-    checkout: Path, job_file: Path, inventory: Path, ugro_train: Run
+def test_the_documented_make_lines_work_as_typed_on_a_real_run(
+    checkout: Path, job_file: Path, inventory: Path, make: Run
 ) -> None:
-    result = ugro_train("train", "--job", str(job_file), "--inventory", str(inventory), timeout=600, **_in(checkout))
+    """The README's and docs' `make` lines, typed as they are shown (JOB=, INVENTORY=, JOB_ID=), on one real run:
+    make puts its command-line variables in the environment, where Ansible's event callback once read JOB_ID as
+    an AWX job number and every playbook of status, logs and stop broke."""
+    job, inv = f"JOB={job_file.relative_to(checkout)}", f"INVENTORY={inventory}"
+    check = make("validate", job, **_in(checkout))
+    assert check.returncode == 0 and ": ok (job " in check.stdout, check.stdout + check.stderr
+
+    result = make("train", job, inv, **_in(checkout))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "run finished:" in result.stdout
     run_dir = Path(result.stdout.split("run finished:")[1].split()[0])
@@ -58,7 +65,18 @@ def test_train_runs_the_job_through_ansible_and_torchrun(
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
     assert (run_dir / "hosts" / "localhost" / "exit_code").read_text().strip() == "0"
     assert len(list((run_dir / "logs").glob("*-rank*.log"))) == 2  # 2 CPU processes, gloo
-    assert "step 20/20" in result.stdout or "step 20" in result.stdout
+
+    # status, stop and RESUME=auto are typed through make on the test cluster (tests/test_cluster.py).
+    job_id = f"JOB_ID={run_dir.name}"
+    logs = make("logs", inv, job_id, **_in(checkout))
+    assert logs.returncode == 0 and f"logs of localhost in {run_dir / 'logs'}" in " ".join(logs.stdout.split())
+    doctor = make("doctor", job_id, **_in(checkout))
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    # The tiny job's base is built from its config with random weights: export says why it cannot merge
+    # (tests/test_real_model.py merges a pretrained base's adapter).
+    export = make("export", job_id, **_in(checkout))
+    assert export.returncode == 2 and "Traceback" not in export.stderr, export.stderr
+    assert "model.init: random" in " ".join(export.stderr.split())
 
 
 def test_a_bad_job_file_stops_before_anything_starts(tmp_path: Path) -> None:

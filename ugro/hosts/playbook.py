@@ -21,6 +21,19 @@ def runs_dir() -> Path:
     return Path(value).resolve() if value else REPO / "runs"
 
 
+# ansible-runner's event callback reads these from the environment as AWX's job numbers and event switches. A
+# caller's own variable of the same name (`make status JOB_ID=<job-id>` puts JOB_ID in the environment) would
+# break every event ("invalid literal for int()") or silence the events the controller reads its facts from,
+# so the controller's playbooks always run with them neutral.
+RUNNER_ENV = {
+    "JOB_ID": "",
+    "AD_HOC_COMMAND_ID": "",
+    "PROJECT_UPDATE_ID": "",
+    "RUNNER_OMIT_EVENTS": "False",
+    "RUNNER_ONLY_FAILED_EVENTS": "False",
+}
+
+
 @dataclass
 class PlaybookRun:
     """A playbook run: which hosts took part, what failed where (host -> message), the facts the play set."""
@@ -92,7 +105,8 @@ def start_playbook(
         inventory=str(inventory.resolve()),
         extravars=extravars,
         limit=",".join(limit) if limit else None,
-        envvars={
+        envvars=RUNNER_ENV
+        | {
             "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
             # ansible-playbook lives next to this interpreter, whether or not the venv is on PATH.
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",

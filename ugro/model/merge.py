@@ -37,6 +37,12 @@ def base_of(adapter: Path, repo: Path) -> Path:
         raise ConfigError(
             f"{config}: its base model '{name}' is not a directory here; run `make train` once to convert it"
         )
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ConfigError(
+            f"{path}: only the base model's config is here, no weights: the run built its base from the config with "
+            "random weights (model.init: random), so there is no base to merge the adapter into. Export a run "
+            "whose job loads pretrained weights (model.init: pretrained)"
+        )
     return path
 
 
@@ -46,10 +52,10 @@ def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def export(adapter: Path, out: Path, repo: Path) -> Exported:
+    base_dir = base_of(adapter, repo)  # before the slow imports: a refusal comes at once
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base_dir = base_of(adapter, repo)
     tokenizer = AutoTokenizer.from_pretrained(str(adapter))
     ids = tokenizer(PROBE, return_tensors="pt")["input_ids"]
     model = PeftModel.from_pretrained(
