@@ -8,7 +8,9 @@ have interfaces named enp5s0 and ens3, so per-host interface detection is really
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import PYTHON, REPO, Run, cli, cluster_job, job_processes, newest_run, remove_runs, run_env, runs_dir
+from helpers import REPO, Run, cli, cluster_job, job_processes, newest_run, remove_runs, run_env, runs_dir
 
 from train.metrics import read_metrics
 
@@ -48,9 +50,17 @@ def _running_step(status: str) -> int | None:
 
 
 def _follow(job_file: Path, cluster: Path, *extra: str) -> subprocess.Popen[str]:
-    argv = [PYTHON, "-m", "ugro.cli", "train", "--job", str(job_file), "--inventory", str(cluster), "--poll", "3"]
+    """`make train JOB=... INVENTORY=... [RESUME=auto]` as the README shows it, in a process group of its own."""
+    argv = ["make", "--no-print-directory", "train", f"JOB={job_file.relative_to(REPO)}", f"INVENTORY={cluster}"]
     return subprocess.Popen([*argv, *extra], cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+
+
+def _end(follower: subprocess.Popen[str]) -> None:
+    """Kill what is left of a follower (make and the controller under it): the test's own process group."""
+    if follower.poll() is None:
+        os.killpg(follower.pid, signal.SIGKILL)
+        follower.wait()
 
 
 def _wait_running(follower: subprocess.Popen[str], cluster: Path, step: int) -> None:
@@ -67,17 +77,20 @@ def _wait_running(follower: subprocess.Popen[str], cluster: Path, step: int) -> 
         time.sleep(2)
 
 
-def _stop(follower: subprocess.Popen[str], cluster: Path, job_id: str) -> None:
-    stopped = cli("stop", "--inventory", str(cluster), timeout=200)
+def _stop(follower: subprocess.Popen[str], cluster: Path, job_id: str, make: Run) -> None:
+    """`make stop` and `make status` with the JOB_ID= the README shows (make hands it to the environment too)."""
+    stopped = make("stop", f"INVENTORY={cluster}", f"JOB_ID={job_id}", timeout=200)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert f"job {job_id}: no process of it is left on tb1, tb2, tb3" in " ".join(stopped.stdout.split())
     assert not job_processes(job_id), job_processes(job_id)
     follower.wait(timeout=120)  # the follower sees every host stopped, collects the logs and ends
-    status = cli("status", "--inventory", str(cluster), timeout=120)
+    status = make("status", f"INVENTORY={cluster}", f"JOB_ID={job_id}", timeout=120)
+    assert status.returncode == 0 and "awx_display" not in status.stdout + status.stderr, status.stderr
     assert status.stdout.count("stopped") == 3, status.stdout
 
 
 def test_stop_mid_run_leaves_no_process_and_resume_continues(
-    cluster: Path, long_job_file: Path, ugro_train: Run
+    cluster: Path, long_job_file: Path, ugro_train: Run, make: Run
 ) -> None:
     follower = _follow(long_job_file, cluster)
     try:
@@ -89,21 +102,19 @@ def test_stop_mid_run_leaves_no_process_and_resume_continues(
         assert second.returncode == 1
         for host in ("tb1", "tb2", "tb3"):
             assert f"{host} already runs job {job_id}" in " ".join(second.stderr.split()), second.stderr
-        _stop(follower, cluster, job_id)
+        _stop(follower, cluster, job_id, make)
     finally:
-        if follower.poll() is None:
-            follower.kill()
+        _end(follower)
     stopped_at = read_metrics(runs_dir() / job_id)[-1]["step"]
     assert stopped_at >= 11
 
-    resumed = _follow(long_job_file, cluster, "--resume", "auto")
+    resumed = _follow(long_job_file, cluster, "RESUME=auto")
     try:
         _wait_running(resumed, cluster, stopped_at + 3)
         assert _latest() == job_id
-        _stop(resumed, cluster, job_id)
+        _stop(resumed, cluster, job_id, make)
     finally:
-        if resumed.poll() is None:
-            resumed.kill()
+        _end(resumed)
     main_log = (runs_dir() / job_id / "logs" / "tb1-rank0.log").read_text()
     found = re.search(r"resumed from \S+/checkpoints/step-0*(\d+) at step (\d+)", main_log)
     assert found is not None, main_log[-2000:]
@@ -135,3 +146,25 @@ def test_three_hosts_train_and_the_controller_gets_every_log(unbroken_run: tuple
     assert "step" in (run_dir / "logs" / "tb1-rank0.log").read_text()
     assert testbed.host("tb2").interface == "enp5s0"
     assert not job_processes(run_dir.name)
+
+
+def test_a_global_batch_smaller_than_the_ranks_is_refused_before_anything_starts(
+    testbed: Any, repo_jobs: Path, ugro: Run
+) -> None:
+    """The default job's global batch (4) on the 3 test hosts with the default 2 CPU workers each (6 ranks):
+    `make validate INVENTORY=...` and `make train` say so from the fast preflight, and nothing starts."""
+    inventory = Path(testbed.inventory)  # no ugro_cpu_procs_per_node: the default, 2 per host
+    job = cluster_job(repo_jobs, "ranks-test", train={"global_batch_size": 4})
+    try:
+        for command in ("validate", "train"):
+            result = ugro(command, "--job", str(job), "--inventory", str(inventory), timeout=300)
+            flat = " ".join(result.stderr.split())
+            assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+            assert (
+                f"train.global_batch_size is 4, but {inventory} will start 6 ranks (tb1: 2, tb2: 2, tb3: 2)" in flat
+            ), flat
+            assert "Raise train.global_batch_size to 6 or more" in flat and "ugro_cpu_procs_per_node" in flat
+            assert "Traceback" not in result.stderr
+        assert not list(runs_dir().glob("ranks-test-*")), "nothing may start"
+    finally:
+        job.unlink()

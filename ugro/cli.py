@@ -26,7 +26,7 @@ from rich.table import Table
 
 from train.config import ConfigError, JobConfig, load_job
 from train.metrics import read_eval, read_metrics, read_samples
-from ugro.checks import doctor, jobcheck
+from ugro.checks import doctor, jobcheck, ranks
 from ugro.checks import preflight as preflight_run
 from ugro.checks.preflight_checks import Thresholds, lock_cuda
 from ugro.hosts import codesync
@@ -66,8 +66,17 @@ def _load(job_file: Path) -> JobConfig:
 
 
 def _prepare_model(job: JobConfig) -> None:
+    """Convert the base model from its wheel where it comes from one, then check the LoRA targets against it."""
     try:
         jobcheck.prepare_model(job, REPO, lambda line: console.print(f"[dim]{line}[/]", highlight=False))
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    _check_targets(job)
+
+
+def _check_targets(job: JobConfig) -> None:
+    """The LoRA target modules against the base's structure (skipped where its config is not here yet)."""
+    try:
         jobcheck.check_targets(job, REPO)
     except ConfigError as exc:
         raise _fail(str(exc)) from None
@@ -135,10 +144,16 @@ def _summary(run_dir: Path) -> None:
 
 
 @app.command()
-def validate(job_file: JobOpt = Path("jobs/default.yaml")) -> None:
-    """Check a job file, print its cluster-wide hash and which backend it runs where."""
+def validate(
+    job_file: JobOpt = Path("jobs/default.yaml"),
+    inventory: Annotated[
+        Path | None, typer.Option("--inventory", "-i", help="also run make train's fast checks on its hosts")
+    ] = None,
+) -> None:
+    """Check a job file, print its cluster-wide hash and which backend it runs where; with an inventory, also
+    what make train checks on its hosts first (the fast preflight, and the global batch against the ranks)."""
     job, data = _checked(job_file)
-    _prepare_model(job)
+    _check_targets(job)  # a base still in its wheel is converted by make train, not here: nothing downloads
     held = f", {data.eval_records} held-out" if job.eval else ""
     console.print(
         f"{job_file}: ok (job '{job.name}', {data.train_records} training records{held}, "
@@ -148,6 +163,12 @@ def validate(job_file: JobOpt = Path("jobs/default.yaml")) -> None:
     if cuda is None:
         raise _fail(f"the node lock cannot be judged: {why}")
     console.print(f"backend: {stack.policy(job.model.backend, cuda)}", highlight=False)
+    if inventory is not None:
+        if not inventory.is_file():
+            raise _fail(f"{inventory}: inventory not found")
+        planned = _fast_preflight(inventory, job, job_file)
+        console.print(f"{inventory}: ok, {ranks.describe(planned)} for a global batch of "
+                      f"{job.train.global_batch_size}", highlight=False)  # fmt: skip
 
 
 def _launch_failed(run: PlaybookRun, what: str) -> typer.Exit:
@@ -205,8 +226,7 @@ def train(
         raise _fail(f"{RUNS_ENV}={runs}: the hosts of {inventory} run this checkout (ugro_code_sync: false) and "
                     f"keep their runs in {REPO / 'runs'}; unset {RUNS_ENV} for them")  # fmt: skip
     _prepare_model(job)
-    if not skip_preflight:
-        _fast_preflight(inventory, job.model.backend)
+    planned = {} if skip_preflight else _fast_preflight(inventory, job, job_file)
     job_id = _pick_run(job, resume, runs)
     run_dir = runs / job_id
     control = run_dir / ".control"
@@ -220,7 +240,8 @@ def train(
     }
     console.print(
         f"job [bold]{job_id}[/] on {inventory}: {job.train.max_steps} steps, global batch "
-        f"{job.train.global_batch_size}, model {job.model.source}, code {code_hash[:12]}"
+        f"{job.train.global_batch_size}{' over ' + ranks.describe(planned) if planned else ''}, "
+        f"model {job.model.source}, code {code_hash[:12]}"
     )
     supervisor = Supervisor(job, cluster, inventory, run_dir, extravars, console, poll if cluster.remote else 1.0,
                             on_task=lambda name: console.print(f"[dim]- {name}[/]", highlight=False))  # fmt: skip
@@ -265,14 +286,19 @@ def _preflight(
         raise _fail(f"preflight could not run on {inventory}: {exc}") from None
 
 
-def _fast_preflight(inventory: Path, backend: str) -> None:
-    """The fast checks before a launch: refuse on a FAIL (or a backend a host cannot run), show WARNs."""
+def _fast_preflight(inventory: Path, job: JobConfig, job_file: Path) -> dict[str, int]:
+    """The fast checks before a launch: refuse on a FAIL, a backend a host cannot run or a global batch smaller
+    than the ranks the inventory starts; show WARNs. Returns the ranks per host."""
+    backend = job.model.backend
     outcome = _preflight(inventory, Thresholds(), None, heavy=False, backend=backend)
     unable = preflight_run.backend_problems(outcome.facts, backend)
     if unable:
         for line in unable:
             err.print(f"[bold red]{line}[/]", highlight=False)
         raise _fail("not launching: use model.backend 'auto' (unsloth where it can run) or 'hf'", code=2)
+    problem = ranks.batch_problem(job, job_file, inventory, outcome.ranks)
+    if problem:
+        raise _fail(problem, code=2)
     report = outcome.report
     line = f"preflight: {preflight_run.summary(report)} in {outcome.seconds['fast']:.1f} s"
     if report.failed():
@@ -283,6 +309,7 @@ def _fast_preflight(inventory: Path, backend: str) -> None:
     for name, host, cell in report.problems():
         if name != "gpu":  # a CPU host is not news on every launch
             console.print(f"[yellow]WARN[/] {name} @ {host}: {cell.cause}", highlight=False)
+    return outcome.ranks
 
 
 @app.command(name="preflight")

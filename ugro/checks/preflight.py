@@ -46,6 +46,7 @@ class Outcome:
     report: Report
     seconds: dict[str, float]
     facts: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> its ugro_host facts
+    ranks: dict[str, int] = field(default_factory=dict)  # host -> worker processes a launch starts there
 
 
 def backend_problems(facts: dict[str, dict[str, Any]], backend: str) -> list[str]:
@@ -168,12 +169,17 @@ def preflight(
         for h, f in run.facts.items()
         if f.get("preflight_report", {}).get("host")
     }
+    ranks = {
+        h: int(f["preflight_report"]["ranks"])
+        for h, f in run.facts.items()
+        if f.get("preflight_report", {}).get("ranks") is not None
+    }
     seconds = {"fast": time.monotonic() - started}
     if heavy and job_file is not None:
         mid = time.monotonic()
         run_heavy(report, inventory, job_file, control, thresholds)
         seconds["heavy"] = time.monotonic() - mid
-    return Outcome(report, seconds, facts)
+    return Outcome(report, seconds, facts, ranks)
 
 
 def _cell_text(cell: Cell) -> str:
