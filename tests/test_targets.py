@@ -111,6 +111,24 @@ def test_the_controller_checks_from_the_config_alone_and_skips_what_it_cannot_re
     assert jobcheck.check_targets(hub, REPO) is None  # a hub name: the ranks check it
 
 
+def test_a_resolution_that_passed_is_kept_and_the_next_check_builds_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _gpt2().save_pretrained(tmp_path / "gpt2")
+    job = JobConfig.model_validate(_job(tmp_path / "gpt2"))
+    cache = tmp_path / "cache"
+    assert jobcheck.check_targets(job, REPO, cache) == ["c_attn", "c_fc", "c_proj"]
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built the model again")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", no_build)
+    assert jobcheck.check_targets(job, REPO, cache) == ["c_attn", "c_fc", "c_proj"]
+    other = JobConfig.model_validate(_job(tmp_path / "gpt2", target_modules=["c_attn"]))
+    with pytest.raises(AssertionError, match="built the model again"):  # other names: a new key, checked anew
+        jobcheck.check_targets(other, REPO, cache)
+
+
 def test_validate_refuses_a_misspelt_target_module_before_anything_starts(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(_job("models/tiny-llama", target_modules=["q_proj", "v_prog"])))

@@ -77,7 +77,7 @@ def _prepare_model(job: JobConfig) -> None:
 def _check_targets(job: JobConfig) -> None:
     """The LoRA target modules against the base's structure (skipped where its config is not here yet)."""
     try:
-        jobcheck.check_targets(job, REPO)
+        jobcheck.check_targets(job, REPO, cache=runs_dir() / ".control" / "targets")
     except ConfigError as exc:
         raise _fail(str(exc)) from None
 

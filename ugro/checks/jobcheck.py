@@ -7,6 +7,9 @@ is converted here, once, so that every node receives the same files with the cod
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,26 +71,39 @@ def prepare_model(job: JobConfig, repo: Path, say: object = print) -> None:
         raise ConfigError(f"model.source: {exc}") from None
 
 
-def check_targets(job: JobConfig, repo: Path) -> list[str] | None:
+def check_targets(job: JobConfig, repo: Path, cache: Path | None = None) -> list[str] | None:
     """The job's LoRA target modules resolved against its base model's structure, or ConfigError naming every
     module the job names that the model lacks.
 
-    The model is built from its config.json on the meta device: no weights, seconds. None when the config cannot
-    be read or built here (a hub name, a model that needs its own code): the ranks check it on the loaded base.
+    The model is built from its config.json on the meta device: no weights, but transformers' model code is
+    imported (~3 s). A resolution that passed is kept in ``cache`` (a directory), keyed by the config, the
+    names and the transformers version, so the next launch of the same job does not pay it again. None when the
+    config cannot be read or built here (a hub name, a model that needs its own code, a base not converted
+    yet): the ranks check it on the loaded base.
     """
     directory = model_dir(job, repo)
-    if directory is None:
+    config_file = None if directory is None else directory / "config.json"
+    if config_file is None or not config_file.is_file():
         return None
+    versions = [importlib.metadata.version(name) for name in ("transformers", "peft")]
+    key = hashlib.sha256(json.dumps([config_file.read_text(), job.lora.target_modules, versions]).encode())
+    known = None if cache is None else cache / f"{key.hexdigest()[:32]}.json"
+    if known is not None and known.is_file():
+        return list(json.loads(known.read_text()))
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = AutoConfig.from_pretrained(directory)
+        config = AutoConfig.from_pretrained(config_file.parent)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except (OSError, ValueError, KeyError, ImportError):
         return None
-    return targets.resolve(model, job.lora.target_modules, job.model.source)
+    resolved = targets.resolve(model, job.lora.target_modules, job.model.source)
+    if known is not None:
+        known.parent.mkdir(parents=True, exist_ok=True)
+        known.write_text(json.dumps(resolved))
+    return resolved
 
 
 def model_dirs(job: JobConfig, repo: Path) -> list[str]:
