@@ -6,28 +6,22 @@ hand out indices without any rank sending data to another.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 from train.config import ConfigError, DataConfig
+from train.sources import READERS, TEXT_SUFFIXES, Record, read_notes_folder
 
 IGNORE = -100
+Example = tuple[list[int], list[int]]  # one record's token ids and labels
 
 
-class Record(NamedTuple):
-    """One data record and where it came from ("data/x.jsonl:12"), for errors that name the line."""
-
-    where: str
-    fields: dict[str, Any]
-
-
-_LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
+_LINELESS = (".parquet",)  # local files read through ``datasets``: their records are named "row N"
 
 
 @dataclass(frozen=True)
@@ -62,32 +56,22 @@ def _resolve(source: str, base_dir: Path) -> Path:
     return Path(source) if Path(source).is_absolute() else base_dir / source
 
 
-def _read_jsonl(path: Path) -> list[Record]:
-    """Every line a JSON object; an error names the file and the line."""
-    records: list[Record] = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg}, column {exc.colno})") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}:{number}: a record must be a JSON object, not {type(value).__name__}")
-        records.append(Record(f"{path}:{number}", value))
-    return records
-
-
-def load_records(source: str, base_dir: Path, split: str = "train", key: str = "data.source") -> list[Record]:
-    """Records with where each came from: a local .jsonl read line by line, anything else through ``datasets``."""
+def load_records(
+    source: str, base_dir: Path, split: str = "train", key: str = "data.source", fmt: str | None = None
+) -> list[Record]:
+    """Records with where each came from: local files read by train/sources.py with their lines, a folder of notes
+    (``fmt`` text), parquet and hub datasets through ``datasets``. ``fmt``: data.format, checked against the file."""
     local = _resolve(source, base_dir)
-    if local.suffix == ".jsonl" and local.is_file():
-        records = _read_jsonl(local)
-    elif local.is_file() or local.is_dir() or local.suffix not in _LOCAL_BUILDERS:
+    if local.is_file() and local.suffix in READERS:
+        if local.suffix in TEXT_SUFFIXES and fmt not in (None, "text"):
+            raise ConfigError(
+                f"{key}: {local}: a {local.suffix} file is plain text, read as data.format: text (documents "
+                f"separated by blank lines); data.format '{fmt}' needs .jsonl, .json, .csv or parquet records"
+            )
+        records = READERS[local.suffix](local)
+    elif local.is_dir() and fmt == "text":
+        records = read_notes_folder(local, key)
+    elif local.is_file() or local.is_dir() or local.suffix not in (*READERS, *_LINELESS):
         records = _load_with_datasets(source, local, split, key)
     else:
         raise ConfigError(f"{key}: {local}: file not found")
@@ -97,18 +81,16 @@ def load_records(source: str, base_dir: Path, split: str = "train", key: str = "
 
 
 def _load_with_datasets(source: str, local: Path, split: str, key: str) -> list[Record]:
+    """Parquet files, dataset folders and hub datasets: no lines to name, so a record is "<source> row N"."""
     import datasets
 
     datasets.disable_progress_bars()
     try:
         if local.is_file():
-            builder = _LOCAL_BUILDERS.get(local.suffix)
-            if builder is None:
-                raise ConfigError(
-                    f"{key}: {local}: unsupported file type '{local.suffix}' "
-                    f"(use one of {', '.join(sorted(_LOCAL_BUILDERS))})"
-                )
-            ds = datasets.load_dataset(builder, data_files=str(local), split="train")
+            if local.suffix not in _LINELESS:
+                known = ", ".join(sorted((*READERS, *_LINELESS)))
+                raise ConfigError(f"{key}: {local}: unsupported file type '{local.suffix}' (use one of {known})")
+            ds = datasets.load_dataset(local.suffix[1:], data_files=str(local), split="train")
             where = str(local)
         elif local.is_dir():
             ds = datasets.load_dataset(str(local), split=split)
@@ -120,7 +102,7 @@ def _load_with_datasets(source: str, local: Path, split: str, key: str) -> list[
         raise
     except Exception as exc:  # datasets raises many unrelated types for "cannot load"
         raise ConfigError(f"{key}: cannot load '{source}': {exc}") from None
-    return [Record(f"{where} record {i + 1}", dict(row)) for i, row in enumerate(ds)]
+    return [Record(f"{where} row {i + 1}", dict(row)) for i, row in enumerate(ds)]
 
 
 _NEEDS = {
@@ -164,7 +146,7 @@ def check_record(record: Record, fmt: str) -> None:
 
 def read_checked(source: str, cfg: DataConfig, base_dir: Path, key: str = "data.source") -> list[Record]:
     """Read a data file and check every record against data.format (the controller does it before a launch)."""
-    records = load_records(source, base_dir, cfg.split, key)
+    records = load_records(source, base_dir, cfg.split, key, cfg.format)
     for record in records:
         check_record(record, cfg.format)
     return records
@@ -194,6 +176,8 @@ def _plain_prompt(turns: list[dict[str, str]]) -> str:
 
 def prompt_text(row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> str:
     """What the model is shown to answer a record's (last) question: everything before the answer."""
+    if cfg.format == "text":  # a note has no question: the model goes on from its first line
+        return str(row["text"]).split("\n", 1)[0] + "\n"
     turns = messages(row, cfg.format)
     last = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
     if uses_chat_template(cfg, tokenizer):
@@ -245,7 +229,7 @@ def render(row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> list[tuple[s
     return segments
 
 
-def tokenize(records: list[Record], cfg: DataConfig, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
+def tokenize(records: list[Record], cfg: DataConfig, tokenizer: Any) -> list[Example]:
     """Token ids and labels per record. A chat template brings its own special tokens; plain text gets BOS/EOS."""
     chat = uses_chat_template(cfg, tokenizer)
     eos = tokenizer.eos_token_id
@@ -266,9 +250,22 @@ def tokenize(records: list[Record], cfg: DataConfig, tokenizer: Any) -> list[tup
     return out
 
 
-def build_blocks(examples: list[tuple[list[int], list[int]]], cfg: DataConfig, pad_id: int) -> Blocks:
-    """Pack examples into seq_len blocks, or truncate and pad each one when packing is off."""
+def cut(examples: list[Example], n: int) -> list[Example]:
+    """Each example cut into consecutive pieces of at most ``n`` tokens (a 1-token tail trains nothing: dropped)."""
+    return [
+        (ids[at : at + n], labels[at : at + n])
+        for ids, labels in examples
+        for at in range(0, len(ids), n)
+        if at == 0 or len(ids) - at > 1
+    ]
+
+
+def build_blocks(examples: list[Example], cfg: DataConfig, pad_id: int) -> Blocks:
+    """Pack examples into seq_len blocks; with packing off, one padded row each: a text document is cut into as
+    many rows as it fills, an instruction or chat record is truncated to seq_len."""
     n = cfg.seq_len
+    if cfg.format == "text" and not cfg.packing:
+        examples = cut(examples, n)
     if cfg.packing:
         flat_ids = [t for ids, _ in examples for t in ids]
         flat_labels = [t for _, labels in examples for t in labels]
@@ -295,12 +292,13 @@ def _pad_id(tokenizer: Any) -> int:
 
 def prepare(cfg: DataConfig, tokenizer: Any, base_dir: Path) -> Blocks:
     """The training blocks every rank builds identically."""
-    records = load_records(cfg.source, base_dir, cfg.split)
+    records = load_records(cfg.source, base_dir, cfg.split, fmt=cfg.format)
     return build_blocks(tokenize(records, cfg, tokenizer), cfg, _pad_id(tokenizer))
 
 
 def prepare_eval(source: str, cfg: DataConfig, tokenizer: Any, base_dir: Path) -> tuple[list[Record], Blocks]:
-    """The held-out records and one unpacked row each (truncated to data.seq_len), for evaluation."""
-    records = load_records(source, base_dir, cfg.split, key="eval.source")
+    """The held-out records and their unpacked rows, for evaluation: one per record (truncated to data.seq_len), or
+    as many as a text document fills, so that its held-out loss counts every token."""
+    records = load_records(source, base_dir, cfg.split, key="eval.source", fmt=cfg.format)
     unpacked = cfg.model_copy(update={"packing": False})
     return records, build_blocks(tokenize(records, cfg, tokenizer), unpacked, _pad_id(tokenizer))
