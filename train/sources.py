@@ -168,9 +168,11 @@ def read_csv(path: Path) -> list[Record]:
             if header is None:
                 header = [name.strip() for name in row]
             elif len(row) != len(header):
+                fix = (
+                    "quote a field that holds a comma" if len(row) > len(header) else "write every field, empty or not"
+                )
                 raise ConfigError(
-                    f"{where}: {len(row)} fields where the header has {len(header)} ({', '.join(header)}); "
-                    "quote a field that holds a comma"
+                    f"{where}: {len(row)} fields where the header has {len(header)} ({', '.join(header)}); {fix}"
                 )
             else:
                 records.append(Record(where, dict(zip(header, row, strict=True))))
