@@ -9,8 +9,9 @@ import torch
 from helpers import REPO
 
 from train.config import ConfigError, DataConfig, ModelConfig
-from train.data import IGNORE, Record, build_blocks, load_records, prepare, read_checked, tokenize
+from train.data import IGNORE, build_blocks, prepare, tokenize
 from train.model import load_tokenizer
+from train.records import Record, load_records, read_checked
 
 
 @pytest.fixture(scope="module")

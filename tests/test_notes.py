@@ -11,9 +11,10 @@ import yaml
 from helpers import REPO, Run, cli, small_job
 
 from train.config import ConfigError, DataConfig, ModelConfig
-from train.data import build_blocks, load_records, prepare, prepare_eval, read_checked, tokenize
+from train.data import build_blocks, prepare, prepare_eval, tokenize
 from train.metrics import read_metrics
 from train.model import load_tokenizer
+from train.records import load_records, read_checked
 
 NOTES = (
     "\n"

@@ -8,6 +8,8 @@ below it, so a room can be read, tested and moved with what it stands on and not
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +94,11 @@ def test_the_product_does_not_import_the_development_tools() -> None:
         for path in _files(top):
             wrong = sorted(n for n in _imports(path) if n.split(".")[0] in ("tools", "tests", "testbed", "bench"))
             assert not wrong, f"{path.relative_to(REPO)} imports {wrong}"
+
+
+def test_the_controller_command_starts_without_torch() -> None:
+    """`make status|logs|stop|doctor` and every poll of a followed run start `python -m ugro.cli`: torch (~2-4 s
+    to import, the CUDA build the longest) is imported only by the commands that build a model."""
+    code = "import sys, ugro.cli; print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

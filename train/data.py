@@ -1,4 +1,4 @@
-"""Data: load records, render them with a template, tokenize, and pack into fixed-length blocks.
+"""Data: render records (train/records.py) with a template, tokenize, and pack into fixed-length blocks.
 
 Every rank builds the same blocks in the same order from the same files, so the sampler can
 hand out indices without any rank sending data to another.
@@ -15,13 +15,10 @@ import torch
 from torch.utils.data import Dataset
 
 from train.config import ConfigError, DataConfig
-from train.sources import READERS, TEXT_SUFFIXES, Record, read_notes_folder
+from train.records import Record, check_record, load_records, messages
 
 IGNORE = -100
 Example = tuple[list[int], list[int]]  # one record's token ids and labels
-
-
-_LINELESS = (".parquet",)  # local files read through ``datasets``: their records are named "row N"
 
 
 @dataclass(frozen=True)
@@ -50,114 +47,6 @@ class Blocks(Dataset[dict[str, torch.Tensor]]):
             "labels": self.labels[index].to(device, non_blocking=True),
             "attention_mask": self.attention_mask[index].to(device, non_blocking=True),
         }
-
-
-def _resolve(source: str, base_dir: Path) -> Path:
-    return Path(source) if Path(source).is_absolute() else base_dir / source
-
-
-def load_records(
-    source: str, base_dir: Path, split: str = "train", key: str = "data.source", fmt: str | None = None
-) -> list[Record]:
-    """Records with where each came from: local files read by train/sources.py with their lines, a folder of notes
-    (``fmt`` text), parquet and hub datasets through ``datasets``. ``fmt``: data.format, checked against the file."""
-    local = _resolve(source, base_dir)
-    if local.is_file() and local.suffix in READERS:
-        if local.suffix in TEXT_SUFFIXES and fmt not in (None, "text"):
-            raise ConfigError(
-                f"{key}: {local}: a {local.suffix} file is plain text, read as data.format: text (documents "
-                f"separated by blank lines); data.format '{fmt}' needs .jsonl, .json, .csv or parquet records"
-            )
-        records = READERS[local.suffix](local)
-    elif local.is_dir() and fmt == "text":
-        records = read_notes_folder(local, key)
-    elif local.is_file() or local.is_dir() or local.suffix not in (*READERS, *_LINELESS):
-        records = _load_with_datasets(source, local, split, key)
-    else:
-        raise ConfigError(f"{key}: {local}: file not found")
-    if not records:
-        raise ConfigError(f"{key}: {local if local.exists() else source} holds no records (an empty file?)")
-    return records
-
-
-def _load_with_datasets(source: str, local: Path, split: str, key: str) -> list[Record]:
-    """Parquet files, dataset folders and hub datasets: no lines to name, so a record is "<source> row N"."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    try:
-        if local.is_file():
-            if local.suffix not in _LINELESS:
-                known = ", ".join(sorted((*READERS, *_LINELESS)))
-                raise ConfigError(f"{key}: {local}: unsupported file type '{local.suffix}' (use one of {known})")
-            ds = datasets.load_dataset(local.suffix[1:], data_files=str(local), split="train")
-            where = str(local)
-        elif local.is_dir():
-            ds = datasets.load_dataset(str(local), split=split)
-            where = str(local)
-        else:
-            ds = datasets.load_dataset(source, split=split)
-            where = source
-    except ConfigError:
-        raise
-    except Exception as exc:  # datasets raises many unrelated types for "cannot load"
-        raise ConfigError(f"{key}: cannot load '{source}': {exc}") from None
-    return [Record(f"{where} row {i + 1}", dict(row)) for i, row in enumerate(ds)]
-
-
-_NEEDS = {
-    "instruction": "'instruction' and 'output' strings (and optionally 'input')",
-    "chat": "'messages': a list of {role, content} with at least one 'assistant' turn",
-    "text": "a 'text' string",
-}
-
-
-def check_record(record: Record, fmt: str) -> None:
-    """Raise a ConfigError naming the record's file and line when it does not fit ``fmt``."""
-    row = record.fields
-
-    def bad(what: str) -> ConfigError:
-        return ConfigError(f"{record.where}: {what}; data.format '{fmt}' needs {_NEEDS[fmt]}")
-
-    if fmt == "text":
-        if not isinstance(row.get("text"), str) or not row["text"].strip():
-            raise bad("missing or empty 'text'")
-        return
-    if fmt == "instruction":
-        for field in ("instruction", "output"):
-            if not isinstance(row.get(field), str) or not row[field].strip():
-                raise bad(f"missing or empty '{field}'")
-        if row.get("input") is not None and not isinstance(row["input"], str):
-            raise bad("'input' must be a string")
-        return
-    turns = row.get("messages")
-    if not isinstance(turns, list) or not turns:
-        raise bad("missing 'messages'")
-    for n, turn in enumerate(turns, 1):
-        if (
-            not isinstance(turn, dict)
-            or not isinstance(turn.get("role"), str)
-            or not isinstance(turn.get("content"), str)
-        ):
-            raise bad(f"message {n} is not an object with string 'role' and 'content'")
-    if not any(turn["role"] == "assistant" for turn in turns):
-        raise bad("no 'assistant' message to train on")
-
-
-def read_checked(source: str, cfg: DataConfig, base_dir: Path, key: str = "data.source") -> list[Record]:
-    """Read a data file and check every record against data.format (the controller does it before a launch)."""
-    records = load_records(source, base_dir, cfg.split, key, cfg.format)
-    for record in records:
-        check_record(record, cfg.format)
-    return records
-
-
-def messages(row: dict[str, Any], fmt: str) -> list[dict[str, str]]:
-    """The record as chat messages (instruction: one user turn, one assistant turn)."""
-    if fmt == "chat":
-        return [{"role": str(t["role"]), "content": str(t["content"])} for t in row["messages"]]
-    user = str(row["instruction"]) + (f"\n\n{row['input']}" if row.get("input") else "")
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": str(row["output"])}]
 
 
 def uses_chat_template(cfg: DataConfig, tokenizer: Any) -> bool:

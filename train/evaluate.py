@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from train.config import JobConfig
-from train.data import Blocks, Record, prepare_eval, prompt_text
+from train.data import Blocks, prepare_eval, prompt_text
 from train.distributed import RankInfo
+from train.records import Record
 from train.step import label_tokens, summed_loss
 
 

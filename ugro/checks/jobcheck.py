@@ -13,9 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from train import targets
 from train.config import ConfigError, JobConfig
-from train.data import Record, messages, read_checked
+from train.records import Record, messages, read_checked
 from ugro.model import basemodel
 
 
@@ -92,6 +91,8 @@ def check_targets(job: JobConfig, repo: Path, cache: Path | None = None) -> list
         return list(json.loads(known.read_text()))
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from train import targets  # torch: imported only when a check runs, not by every command of the CLI
 
     try:
         config = AutoConfig.from_pretrained(config_file.parent)

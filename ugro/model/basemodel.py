@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from train.checkpoint import sha256_file
+from ugro.module_utils.ugro_checkpoints import sha256_file
 from ugro.module_utils.ugro_codetree import MODEL_RECIPE as RECIPE
 
 MARKER = ".ugro-model.json"
