@@ -10,7 +10,7 @@ import pytest
 import yaml
 from helpers import REPO, Run, cli, small_job
 
-from train.config import ConfigError, DataConfig, ModelConfig
+from train.config import ConfigError, DataConfig, JobConfig, ModelConfig
 from train.data import build_blocks, prepare, prepare_eval, tokenize
 from train.metrics import read_metrics
 from train.model import load_tokenizer
@@ -221,3 +221,30 @@ def test_a_notes_file_trains(tmp_path: Path, torchrun: Run) -> None:
     first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-3:]) / 3
     assert rows[-1]["step"] == 16 and last < 0.85 * first, f"loss went from {first} to {last}"
     assert "Note 49:" in (tmp_path / "run" / "samples.md").read_text()
+
+
+def test_a_held_out_note_is_asked_by_its_first_line_and_answered_by_the_rest() -> None:
+    from train.evaluate import question, reference
+    from train.records import Record
+
+    note = Record("notes.md:3", {"text": "node3070 drops out of the job.\nCause: its link renegotiates to 100 Mbps."})
+    assert question(note) == "node3070 drops out of the job."
+    assert reference(note) == "Cause: its link renegotiates to 100 Mbps."
+    assert reference(Record("notes.md:9", {"text": "A one-line note."})) == ""
+
+
+def test_a_repeated_heading_is_not_leakage_but_a_repeated_note_is(tmp_path: Path) -> None:
+    from ugro.checks import jobcheck
+
+    long_note = "Fix: open 29500/tcp on every host of the cluster, then launch again."
+    (tmp_path / "train.txt").write_text(f"## Network\n\n{long_note}\n\nNote 1: the exporter listens on 9400.\n")
+    (tmp_path / "ok.md").write_text("## Network\n\nNote 2: the dashboard polls every 2 s.\n")
+    (tmp_path / "leak.md").write_text(f"## Network\n\n{long_note}\n")
+
+    def job(held_out: str) -> JobConfig:
+        data = {"source": str(tmp_path / "train.txt"), "format": "text"}
+        return JobConfig.model_validate(small_job(data=data, eval={"source": str(tmp_path / held_out)}))
+
+    assert jobcheck.check_data(job("ok.md"), REPO).eval_records == 2
+    with pytest.raises(ConfigError, match=r"leak.md:3: this held-out question is also trained on \(.*train.txt:3\)"):
+        jobcheck.check_data(job("leak.md"), REPO)

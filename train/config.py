@@ -65,7 +65,10 @@ class LoraConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    source: str = Field(description="Local .jsonl/.json/.txt file or directory, or a datasets hub name.")
+    source: str = Field(
+        description="Local .jsonl/.json/.csv/.parquet file, .txt/.md notes (data.format text) or a folder of them, "
+        "a datasets folder, or a datasets hub name (docs/data.md)."
+    )
     format: Literal["instruction", "chat", "text"] = "instruction"
     split: str = "train"
     seq_len: int = Field(256, ge=8)

@@ -89,15 +89,21 @@ def answers(model: Any, tokenizer: Any, job: JobConfig, records: list[Record], d
 
 
 def question(record: Record) -> str:
+    """What the sample shows as asked: the last user turn, the instruction, or a note's first line (the model
+    goes on from it, train/data.py prompt_text)."""
     row = record.fields
     if "messages" in row:
         return str([t["content"] for t in row["messages"] if t["role"] == "user"][-1])
-    text = str(row.get("instruction", row.get("text", "")))
-    return text + (f"\n\n{row['input']}" if row.get("input") else "")
+    if "instruction" not in row:
+        return str(row.get("text", "")).split("\n", 1)[0]
+    return str(row["instruction"]) + (f"\n\n{row['input']}" if row.get("input") else "")
 
 
 def reference(record: Record) -> str:
+    """The answer the data holds: the last assistant turn, the output, or the rest of the note."""
     row = record.fields
     if "messages" in row:
         return str([t["content"] for t in row["messages"] if t["role"] == "assistant"][-1])
+    if "instruction" not in row:
+        return (str(row.get("text", "")).split("\n", 1)[1:] or [""])[0]
     return str(row.get("output", ""))

@@ -24,12 +24,18 @@ class DataSummary:
     eval_records: int
 
 
+# A held-out note this short (a heading, a separator, a signature) may well repeat a trained one: not leakage.
+SHORT_NOTE_WORDS = 8
+
+
 def _questions(records: list[Record], fmt: str) -> dict[str, str]:
-    """Every record's prompt side (all turns but the answers) -> where it is."""
+    """Every record's prompt side (all turns but the answers; a whole note) -> where it is."""
     found: dict[str, str] = {}
     for record in records:
         if fmt == "text":
             key = str(record.fields["text"])
+            if len(key.split()) < SHORT_NOTE_WORDS:
+                continue
         else:
             key = "\n".join(t["content"] for t in messages(record.fields, fmt) if t["role"] != "assistant")
         found.setdefault(key, record.where)
