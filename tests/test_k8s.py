@@ -97,6 +97,8 @@ def test_bad_pod_groups_and_names_are_refused() -> None:
         ({"groups": [("gpu_80gb", 1)]}, "'gpu_80gb' is not one of the profiles"),
         ({"groups": [("cpu", 0)]}, "at least one pod"),
         ({"pvc": "Runs_Volume"}, "--pvc 'Runs_Volume'"),
+        # the default job's global batch of 4 on 3 pods x 2 GPUs
+        ({"gpus_per_node": 2}, r"global_batch_size is 4, but 3 pod\(s\) with 2 process\(es\) each start 6 ranks"),
     ]:
         with pytest.raises(ConfigError, match=message):
             _manifest(**opts)

@@ -159,6 +159,13 @@ def test_bad_options_are_refused(tmp_path: Path) -> None:
         (slurm.SlurmOptions(time_limit="soon"), "--time 'soon'"),
         (slurm.SlurmOptions(time_limit="2", signal_seconds=75), "more than half of --time 2"),
         (slurm.SlurmOptions(extra=["-A lab"]), "one long sbatch option"),
+        # small_job's global batch of 8 on 3 nodes x 4 GPUs: refused before any file is written
+        (
+            slurm.SlurmOptions(nodes=3, gpus_per_node=4),
+            "train.global_batch_size is 8, but --nodes 3 with 4 "
+            "process(es) each start 12 ranks, and every rank needs at least one sequence of each step. Raise "
+            "train.global_batch_size to 12 or more",
+        ),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             _export(tmp_path, opts)

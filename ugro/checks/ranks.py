@@ -22,15 +22,21 @@ def describe(ranks: dict[str, int]) -> str:
     return f"{total} rank{'s' if total != 1 else ''} ({per_host})"
 
 
-def batch_problem(job: JobConfig, job_file: Path, inventory: Path, ranks: dict[str, int]) -> str | None:
-    """Why the job's global batch cannot be split over the inventory's ranks, with the ways to fix it; or None."""
-    world = sum(ranks.values())
+def too_few_sequences(job: JobConfig, job_file: Path, world: int, starts: str, fewer: str) -> str | None:
+    """Why ``world`` ranks cannot share the job's global batch (``starts``: what starts them; ``fewer``: how to
+    start fewer), or None."""
     batch = job.train.global_batch_size
-    if not ranks or batch >= world:
+    if batch >= world:
         return None
     return (
-        f"{job_file}: train.global_batch_size is {batch}, but {inventory} will start {describe(ranks)}, and "
-        f"every rank needs at least one sequence of each step. Raise train.global_batch_size to {world} or more, "
-        "or start fewer ranks: ugro_cpu_procs_per_node (hosts without a GPU, default 2) or ugro_nproc_per_node "
-        "in the inventory"
+        f"{job_file}: train.global_batch_size is {batch}, but {starts}, and every rank needs at least one sequence "
+        f"of each step. Raise train.global_batch_size to {world} or more, or start fewer ranks: {fewer}"
     )
+
+
+def batch_problem(job: JobConfig, job_file: Path, inventory: Path, ranks: dict[str, int]) -> str | None:
+    """Why the job's global batch cannot be split over the inventory's ranks, with the ways to fix it; or None."""
+    if not ranks:
+        return None
+    fewer = "ugro_cpu_procs_per_node (hosts without a GPU, default 2) or ugro_nproc_per_node in the inventory"
+    return too_few_sequences(job, job_file, sum(ranks.values()), f"{inventory} will start {describe(ranks)}", fewer)

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from train.config import ConfigError, JobConfig
+from ugro.checks import ranks
 from ugro.schedulers import profile_map
 
 RUNS_MOUNT = "/runs"
@@ -172,6 +173,12 @@ def manifest(job: JobConfig, job_file: Path, opts: K8sOptions, map_file: Path, j
     names = {"job_id": job_id, "service": base, "config": base}
     labels = {LABEL: base, "app.kubernetes.io/name": "ugro"}
     world = sum(count for _, count in groups)
+    nproc = opts.gpus_per_node if opts.gpus_per_node > 0 else opts.cpu_procs_per_node
+    starts = f"{world} pod(s) with {nproc} process(es) each start {world * nproc} ranks"
+    problem = ranks.too_few_sequences(job, job_file, world * nproc, starts, "--nodes, --gpus-per-node or "
+                                      "--cpu-procs-per-node")  # fmt: skip
+    if problem:
+        raise ConfigError(problem)
     job_names = [f"{base}-{_dns_label(name, 10)}" for name, _ in groups]  # <= 56: room for "-<index>" in 63
     master = f"{job_names[0]}-0.{base}"
 

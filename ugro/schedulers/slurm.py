@@ -20,7 +20,7 @@ from pathlib import Path
 import jinja2
 
 from train.config import ConfigError, JobConfig, load_job
-from ugro.checks import jobcheck
+from ugro.checks import jobcheck, ranks
 from ugro.schedulers import profile_map
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -133,6 +133,12 @@ def export(
     _check_options(opts)
     job = load_job(job_file)
     jobcheck.check_data(job, code_dir)  # a bad record fails here, naming the file and line, not on a node
+    nproc = opts.gpus_per_node if opts.gpus_per_node > 0 else opts.cpu_procs_per_node
+    starts = f"--nodes {opts.nodes} with {nproc} process(es) each start {opts.nodes * nproc} ranks"
+    problem = ranks.too_few_sequences(job, job_file, opts.nodes * nproc, starts, "--nodes, --gpus-per-node or "
+                                      "--cpu-procs-per-node")  # fmt: skip
+    if problem:
+        raise ConfigError(problem)
     pmap = profile_map.load(map_file, job)
     code_dir, runs_dir = _safe(code_dir.resolve(), "--code-dir"), _safe(runs_dir.resolve(), "--runs-dir")
     python = _safe(python if python.is_absolute() else code_dir / python, "--python")
@@ -146,7 +152,6 @@ def export(
         (slurm_dir / "profiles" / f"{name}.yaml").write_text(profile_map.profile_text(pmap, name))
     shutil.copyfile(job_file, slurm_dir / "job.yaml")
 
-    nproc = opts.gpus_per_node if opts.gpus_per_node > 0 else opts.cpu_procs_per_node
     values = {
         "job_id": job_id,
         "job_name": job.name,
