@@ -66,6 +66,8 @@ DEFAULT_SUBNET = "10.213.7.0/24"
 P = ParamSpec("P")
 UP_LOCK = (Path("/run/lock") if Path("/run/lock").is_dir() else Path("/tmp")) / "ugro-testbed-up.lock"
 DEFAULT_IFNAMES = ("eth0", "enp5s0", "ens3")
+# Non-members (up's non_members) get the addresses .201, .202, ... of the subnet.
+NON_MEMBER_BASE = 200
 SSH_PORT = 22
 STATE_FILE = "state.json"
 PACKAGES = ("iproute2", "bubblewrap", "openssh-server", "openssh-client")
@@ -635,6 +637,7 @@ def _write_rootfs_inventory(state: dict[str, Any]) -> None:
         "testbed_apt_repo_url": repo.get("url", ""),
         "testbed_apt_repo_keyring_url": repo.get("keyring_url", ""),
         "testbed_apt_repo": repo,
+        "testbed_non_members": _non_member_vars(state),
     }
     inventory = {"all": {"vars": group_vars, "children": {"ugro_cluster": {"hosts": hosts}}}}
     header = (
@@ -647,6 +650,10 @@ def _write_rootfs_inventory(state: dict[str, Any]) -> None:
         "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
         for h in state["hosts"]
     ))  # fmt: skip
+
+
+def _non_member_vars(state: dict[str, Any]) -> list[dict[str, str]]:
+    return [{k: h[k] for k in ("name", "address", "namespace")} for h in state.get("non_members", [])]
 
 
 def _write_inventory(state: dict[str, Any]) -> None:
@@ -671,7 +678,9 @@ def _write_inventory(state: dict[str, Any]) -> None:
         }
         for h in state["hosts"]
     }
-    inventory = {"all": {"children": {"ugro_cluster": {"hosts": hosts}}}}
+    inventory: dict[str, Any] = {"all": {"children": {"ugro_cluster": {"hosts": hosts}}}}
+    if state.get("non_members"):
+        inventory["all"]["vars"] = {"testbed_non_members": _non_member_vars(state)}
     header = (
         "# Written by testbed/cluster.py: the testbed hosts (network namespaces + bubblewrap + sshd).\n"
         "# The cluster defaults come from the playbooks' role ugro (roles/ugro/defaults/main.yml).\n"
@@ -799,6 +808,7 @@ def up(
     timeout_s: float = 20.0,
     rootfs: bool = False,
     debian: Sequence[str] = ("12",),
+    non_members: int = 0,
 ) -> Testbed:
     """Bring up `hosts` testbed hosts tb1..tbN; on any failure undo everything and raise TestbedError.
 
@@ -807,6 +817,10 @@ def up(
     bridge, and a local apt repository with dummy NVIDIA packages is served beside it: what the
     provisioning roles' Molecule scenarios need. The bridge also gets an address outside the subnet
     (`outside_address`) that the hosts route to, to test what is refused from outside the subnet.
+
+    `non_members` adds that many bare hosts nm1..nmN on the same bridge and subnet (a network namespace
+    with an address, no sshd), left out of the inventory's hosts: a device of the LAN that is no member
+    of the cluster. The inventory names them in `testbed_non_members` ({name, address, namespace}).
     """
     directory = Path(directory).resolve()
     if os.geteuid() != 0:
@@ -825,6 +839,10 @@ def up(
         raise TestbedError(f"bad subnet {subnet!r}: {exc}") from exc
     if net.num_addresses < 10 + hosts + 2:
         raise TestbedError(f"subnet {net} is too small for {hosts} hosts (addresses .{10 + 1}..)")
+    if non_members < 0 or (non_members and net.num_addresses < NON_MEMBER_BASE + non_members + 2):
+        raise TestbedError(
+            f"--non-members {non_members}: subnet {net} has no room for them (addresses .{NON_MEMBER_BASE + 1}..)"
+        )
     if _read_state(directory) is not None:
         raise TestbedError(f"a testbed already exists in {directory}: `python -m testbed down --dir {directory}`")
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
@@ -858,7 +876,16 @@ def up(
         }
         for i in range(1, hosts + 1)
     ]
-    for host in host_list:
+    strangers = [
+        {
+            "name": f"nm{i}",
+            "address": str(net.network_address + NON_MEMBER_BASE + i),
+            "namespace": f"ugro-nm{i}-{suffix}",
+            "veth": f"ugn{i}-{suffix}",
+        }
+        for i in range(1, non_members + 1)
+    ]
+    for host in [*host_list, *strangers]:
         if _netns_exists(host["namespace"]) or _link_exists(host["veth"]):
             raise TestbedError(
                 f"{host['namespace']} or {host['veth']} already exists: a testbed left over in {directory}?"
@@ -874,6 +901,7 @@ def up(
         "bridge_address": str(net.network_address + 1),
         "control_path_dir": _control_path_dir(directory, suffix),
         "hosts": host_list,
+        "non_members": strangers,
         "namespaces": [],
         "links": [],
         "mounts": [],
@@ -944,6 +972,9 @@ def _bring_up(state: dict[str, Any], timeout_s: float) -> None:
             continue
         opt_binds[host["name"]] = _prepare_host_dirs(_host_paths(directory, host["name"]), host, state["hosts"], pubkey)
 
+    for stranger in state.get("non_members", []):
+        _add_non_member(state, stranger, prefixlen)
+
     popens: dict[str, subprocess.Popen[bytes]] = {}
     inits: dict[str, int] = {}
     for host in state["hosts"]:
@@ -982,6 +1013,20 @@ def _bring_up(state: dict[str, Any], timeout_s: float) -> None:
     _write_inventory(state)
     state["complete"] = True
     _write_state(state)
+
+
+def _add_non_member(state: dict[str, Any], host: dict[str, Any], prefixlen: int) -> None:
+    """A bare host of the subnet, not in the inventory: a namespace on the bridge with an address, nothing else."""
+    ip = _tool("ip")
+    state["namespaces"].append(host["namespace"])
+    state["links"].append(host["veth"])
+    _write_state(state)
+    _run(ip, "netns", "add", host["namespace"])
+    _run(ip, "link", "add", "name", host["veth"], "type", "veth", "peer", "name", "eth0", "netns", host["namespace"])
+    _run(ip, "link", "set", "dev", host["veth"], "master", state["bridge"], "up")
+    _run(ip, "-n", host["namespace"], "addr", "add", f"{host['address']}/{prefixlen}", "dev", "eth0")
+    _run(ip, "-n", host["namespace"], "link", "set", "dev", "eth0", "up")
+    _run(ip, "-n", host["namespace"], "link", "set", "dev", "lo", "up")
 
 
 def down(directory: str | Path = DEFAULT_DIR) -> bool:
@@ -1104,6 +1149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="give every host its own Debian root filesystem, an apt proxy and the local apt repo",
     )
+    p_up.add_argument("--non-members", type=int, default=0,
+                      help="bare hosts nm1..nmN on the bridge and subnet, not in the inventory")  # fmt: skip
     p_up.add_argument("--debian", default="12",
                       help="with --rootfs, the Debian release of each host, in rotation: 12 (Python 3.11), "
                       "13 (Python 3.13); e.g. 12,13 (default 12)")  # fmt: skip
@@ -1116,7 +1163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             started = time.monotonic()
             bed = up(args.dir, args.hosts, args.subnet, args.ifnames.split(","),
                      install=not args.no_install, timeout_s=args.timeout, rootfs=args.rootfs,
-                     debian=args.debian.split(","))  # fmt: skip
+                     debian=args.debian.split(","), non_members=args.non_members)  # fmt: skip
             for line in _iter_summary(bed):
                 print(line)
             print(f"({time.monotonic() - started:.1f} s)")

@@ -35,12 +35,20 @@ def test_tb1_own_table_is_unchanged(host: Any) -> None:
     )
 
 
-def test_the_table_file_opens_the_ports_to_the_subnet_only(host: Any) -> None:
-    subnet = host.ansible.get_variables()["testbed_subnet"]
+def test_the_table_opens_the_cluster_ports_to_the_members_only(host: Any) -> None:
+    variables = host.ansible.get_variables()
     rules = host.file(TABLE_FILE)
     assert rules.is_file and rules.user == "root" and rules.mode == 0o644
-    assert f"ip saddr {subnet} tcp dport {{ 29500, 9840, 32768-60999 }} accept" in rules.content_string
+    assert "ip saddr @cluster_sources tcp dport { 29500, 32768-60999 } accept" in rules.content_string
+    assert "ip saddr @exporter_sources tcp dport 9840 accept" in rules.content_string
     assert "tcp dport { 29500, 9840, 32768-60999 } reject with tcp reset" in rules.content_string
+    assert variables["testbed_subnet"] not in rules.content_string  # no rule for the whole subnet
+    # The live set: the members (tb1, tb2: adjacent addresses, merged into a range), not the non-member nm1.
+    members = host.check_output("nft list set inet ugro cluster_sources")
+    assert variables["ugro_cluster_address"] in members
+    assert variables["testbed_non_members"][0]["address"] not in members
+    exporter = host.check_output("nft list set inet ugro exporter_sources")
+    assert variables["testbed_bridge_address"] in exporter  # the controller reaches the exporter
 
 
 def test_the_boot_ruleset_includes_the_table_file(host: Any) -> None:
