@@ -27,6 +27,11 @@ env_file           env        {path, exists, error, ifnames} of O(env_file) (NCC
 profile_exists     env        whether O(profile_file) exists
 resolve            resolve    name -> {address, error}: what each of O(names) resolves to here
 time               clock      the host's clock, seconds since the epoch
+firewall           firewall   {nftables, ufw, why}: the live rules of the nftables table O(firewall_table)
+                              ({table, present, rules, error}) and of ufw ({active, default_incoming, rules,
+                              error}); each rule {action: accept|reject|drop, sources: [CIDR] or null (any),
+                              ports: [[low, high]] or null (any)}, in the order they match; as root, or
+                              through `sudo -n` (never part of C(all))
 checkpoint         checkpoint with O(job_id): {name, step, path} of the newest checkpoint of the run here
                               that passes its sha256 manifest, or null (never part of C(all): it
                               reads every checkpoint file)
@@ -63,7 +68,7 @@ options:
     type: list
     elements: str
     default: [all]
-    choices: [all, network, gpu, versions, code, job, disk, memory, ports, env, resolve, clock, checkpoint]
+    choices: [all, network, gpu, versions, code, job, disk, memory, ports, env, resolve, clock, checkpoint, firewall]
   cluster_address:
     description: The host's IPv4 cluster address; C(cluster) reports the interface holding it.
     type: str
@@ -103,6 +108,10 @@ options:
   nvidia_smi:
     description: The nvidia-smi to ask; by default the one on C(PATH), C(/usr/local/bin) or C(/usr/bin).
     type: path
+  firewall_table:
+    description: The nftables table (family C(inet)) of role C(firewall); C(firewall) reads its rules.
+    type: str
+    default: ugro
   timeout_s:
     description: Seconds before C(nvidia-smi), the job Python or a name lookup counts as hung.
     type: float
@@ -179,7 +188,8 @@ if HAS_PSUTIL:
     import psutil
 
 SUBSETS = (
-    "network", "gpu", "versions", "code", "job", "disk", "memory", "ports", "env", "resolve", "clock", "checkpoint"
+    "network", "gpu", "versions", "code", "job", "disk", "memory", "ports", "env", "resolve", "clock", "checkpoint",
+    "firewall",
 )  # fmt: skip
 # The option each subset needs; subsets not listed need none.
 NEEDS = {"versions": "python", "code": "code_dir", "job": "code_dir", "disk": "disk_path", "env": "env_file",
@@ -379,6 +389,156 @@ def resolve(names: list[str], timeout_s: float) -> dict[str, Any]:
     return results
 
 
+def _as_root(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run a command that needs root: as is when root, else through `sudo -n` (never a password prompt)."""
+    if os.geteuid() != 0 and shutil.which("sudo", path=SMI_PATH):
+        argv = ["sudo", "-n", *argv]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+def _nft_addresses(value: Any, sets: dict[str, list[Any]]) -> list[str] | None:
+    """The IPv4 sources of an nft JSON match's right side: an address, a prefix, a range, a set; None if unknown."""
+    if isinstance(value, str) and value.startswith("@"):
+        return _nft_addresses({"set": sets.get(value[1:], [])}, sets)
+    if isinstance(value, str):
+        return [str(ipaddress.IPv4Network(value, strict=False))]
+    if isinstance(value, dict) and "prefix" in value:
+        return [str(ipaddress.IPv4Network(f"{value['prefix']['addr']}/{value['prefix']['len']}", strict=False))]
+    if isinstance(value, dict) and "range" in value:
+        low, high = (ipaddress.IPv4Address(a) for a in value["range"])
+        return [str(net) for net in ipaddress.summarize_address_range(low, high)]
+    if isinstance(value, dict) and "set" in value:
+        found: list[str] = []
+        for element in value["set"] if isinstance(value["set"], list) else [value["set"]]:
+            more = _nft_addresses(
+                element.get("elem", {}).get("val", element)
+                if isinstance(element, dict) and "elem" in element
+                else element,
+                sets,
+            )
+            if more is None:
+                return None
+            found += more
+        return found
+    return None
+
+
+def _nft_ports(value: Any) -> list[list[int]] | None:
+    if isinstance(value, int):
+        return [[value, value]]
+    if isinstance(value, dict) and "range" in value:
+        return [[int(value["range"][0]), int(value["range"][1])]]
+    if isinstance(value, dict) and "set" in value:
+        found: list[list[int]] = []
+        for element in value["set"]:
+            more = _nft_ports(element)
+            if more is None:
+                return None
+            found += more
+        return found
+    return None
+
+
+def nft_rules(listing: dict[str, Any]) -> list[dict[str, Any]]:
+    """The input rules of an `nft -j list table` listing: {action, sources, ports}, in order.
+
+    Only rules that match nothing but an IPv4 source and a TCP destination port (what role firewall writes) are
+    kept; a rule that matches anything else (conntrack state, an interface) does not decide who reaches a port.
+    """
+    items = listing.get("nftables", [])
+    sets = {i["set"]["name"]: i["set"].get("elem", []) for i in items if "set" in i}
+    rules: list[dict[str, Any]] = []
+    for item in items:
+        rule = item.get("rule")
+        if not rule:
+            continue
+        action = next((k for e in rule["expr"] for k in ("accept", "reject", "drop") if k in e), None)
+        found: dict[str, Any] = {"action": action, "sources": None, "ports": None}
+        known = action is not None
+        for expr in rule["expr"]:
+            match = expr.get("match")
+            if match is None:
+                continue
+            left = match.get("left", {}).get("payload", {})
+            if (left.get("protocol"), left.get("field")) == ("ip", "saddr") and match.get("op") in ("==", "in"):
+                found["sources"] = _nft_addresses(match["right"], sets)
+                known = known and found["sources"] is not None
+            elif (left.get("protocol"), left.get("field")) == ("tcp", "dport") and match.get("op") in ("==", "in"):
+                found["ports"] = _nft_ports(match["right"])
+                known = known and found["ports"] is not None
+            else:
+                known = False
+        if known:
+            rules.append(found)
+    return rules
+
+
+def _ufw_ports(spec: str) -> list[list[int]] | None:
+    """ufw's `To` column: "29500/tcp", "32768:60999/tcp", "9840,29500/tcp", "Anywhere"; None for any port."""
+    spec = spec.split("/")[0]
+    if spec in ("Anywhere", "any"):
+        return None
+    ports = []
+    for part in spec.split(","):
+        low, _, high = part.partition(":")
+        if not low.isdigit() or (high and not high.isdigit()):
+            return []  # an application profile or an address: not a port rule this check knows
+        ports.append([int(low), int(high or low)])
+    return ports
+
+
+def ufw_rules(status: str) -> dict[str, Any]:
+    """`ufw status verbose`: {active, default_incoming, rules: [{action, sources, ports}]} (IPv4 TCP rules)."""
+    default = re.search(r"(?m)^Default: (\w+) \(incoming\)", status)
+    found: dict[str, Any] = {
+        "active": "Status: active" in status,
+        "default_incoming": default[1] if default else None,
+        "rules": [],
+    }
+    rule = re.compile(r"^(\S+(?: \(v6\))?)\s+(ALLOW|DENY|REJECT|LIMIT)(?: IN)?\s+(.+?)\s*(?:#.*)?$")
+    for line in status.splitlines():
+        match = rule.match(line.strip())
+        if match is None or "(v6)" in line or "/udp" in match[1]:
+            continue
+        source = match[3].strip()
+        action = {"ALLOW": "accept", "LIMIT": "accept", "REJECT": "reject", "DENY": "drop"}[match[2]]
+        sources = (
+            None if source.startswith("Anywhere") else [str(ipaddress.IPv4Network(source.split()[0], strict=False))]
+        )
+        found["rules"].append({"action": action, "sources": sources, "ports": _ufw_ports(match[1])})
+    return found
+
+
+def firewall(table: str, timeout_s: float) -> dict[str, Any]:
+    """The live firewall rules that decide who reaches the cluster ports: role firewall's nftables table, and ufw."""
+    found: dict[str, Any] = {"nftables": None, "ufw": None, "why": None}
+    why = []
+    nft = shutil.which("nft", path=SMI_PATH + os.pathsep + "/usr/sbin:/sbin")
+    if nft:
+        try:
+            out = _as_root([nft, "-j", "list", "table", "inet", table], timeout_s)
+            if out.returncode == 0:
+                found["nftables"] = {"table": table, "present": True, "rules": nft_rules(json.loads(out.stdout))}
+            elif "No such file or directory" in out.stderr or "does not exist" in out.stderr:
+                found["nftables"] = {"table": table, "present": False, "rules": []}
+            else:
+                why.append(f"nft list table inet {table}: {(out.stderr.strip() or out.stdout.strip())[:200]}")
+        except (OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired) as exc:
+            why.append(f"nft: {exc}")
+    ufw = shutil.which("ufw", path=SMI_PATH + os.pathsep + "/usr/sbin:/sbin")
+    if ufw:
+        try:
+            out = _as_root([ufw, "status", "verbose"], timeout_s)
+            if out.returncode == 0:
+                found["ufw"] = ufw_rules(out.stdout)
+            else:
+                why.append(f"ufw status: {(out.stderr.strip() or out.stdout.strip())[:200]}")
+        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            why.append(f"ufw: {exc}")
+    found["why"] = "; ".join(why) or None
+    return found
+
+
 def gather(params: dict[str, Any], subsets: set[str]) -> dict[str, Any]:
     timeout_s = float(params["timeout_s"])
     facts: dict[str, Any] = {"host": params["host"], "hostname": socket.gethostname()}
@@ -413,6 +573,8 @@ def gather(params: dict[str, Any], subsets: set[str]) -> dict[str, Any]:
         facts["resolve"] = resolve(params["names"], timeout_s)
     if "clock" in subsets:
         facts["time"] = time.time()
+    if "firewall" in subsets:
+        facts["firewall"] = firewall(params["firewall_table"], timeout_s)
     return facts
 
 
@@ -432,6 +594,7 @@ def main() -> None:
             "profile_file": {"type": "path"},
             "names": {"type": "list", "elements": "str", "default": []},
             "nvidia_smi": {"type": "path"},
+            "firewall_table": {"type": "str", "default": "ugro"},
             "timeout_s": {"type": "float", "default": 15.0},
         },
         supports_check_mode=True,
@@ -452,7 +615,7 @@ def main() -> None:
         module.fail_json(msg=f"{host}: job_id '{params['job_id']}' is not a job id such as default-20261121-190000")
     requested = set(params["gather_subset"])
     if "all" in requested:
-        subsets = {s for s in SUBSETS if (s not in NEEDS or params[NEEDS[s]]) and s != "checkpoint"}
+        subsets = {s for s in SUBSETS if (s not in NEEDS or params[NEEDS[s]]) and s not in ("checkpoint", "firewall")}
     else:
         subsets = requested
         for subset in sorted(subsets):

@@ -261,3 +261,14 @@ def test_facts_of_this_machine_hold_every_key_preflight_reads(tmp_path: Path) ->
     assert facts["profile_exists"] is False
     assert facts["resolve"]["localhost"]["address"].startswith("127.")
     assert abs(facts["time"] - time.time()) < 60
+
+
+def test_the_firewall_subset_reads_the_live_rules_of_this_machine() -> None:
+    # Read only: this machine has no ugro table (role firewall is never applied here), so nftables reports it absent.
+    facts = _facts(gather_subset=["firewall"], firewall_table="ugro-test-absent")
+    firewall = facts["firewall"]
+    assert set(firewall) == {"nftables", "ufw", "why"}
+    if firewall["nftables"] is not None:
+        assert firewall["nftables"] == {"table": "ugro-test-absent", "present": False, "rules": []}
+    else:
+        assert firewall["why"] or not Path("/usr/sbin/nft").exists()

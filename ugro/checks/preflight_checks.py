@@ -9,6 +9,7 @@ non-PASS cell says its cause and its fix in one line each.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from collections import Counter
@@ -182,6 +183,93 @@ def _names_check(host: str, facts: dict[str, Any], addresses: dict[str, str]) ->
         f"{len(bad)} wrong",
         f"{host} resolves {'; '.join(bad)} (want the cluster address)",
         f"put '{', '.join(lines)}' in /etc/hosts on {host} (no 127.0.1.1 line for its own name)",
+    )
+
+
+FIREWALL_FIX = (
+    "make provision ANSIBLE_ARGS='--tags firewall' (role firewall, firewall_allow_from: members, the default): "
+    "the cluster ports then accept the inventory's hosts only (docs/security.md)"
+)
+
+
+def _accepted_from(rules: list[dict[str, Any]], port: int, open_by_default: bool) -> list[str] | None:
+    """The sources a connection to ``port`` is accepted from under ``rules`` (first match wins); None: anywhere."""
+    accepted: list[str] = []
+    for rule in rules:
+        ports = rule.get("ports")
+        if ports is not None and not any(low <= port <= high for low, high in ports):
+            continue
+        if rule.get("sources") is None:
+            return None if rule.get("action") == "accept" else accepted
+        if rule.get("action") == "accept":
+            accepted += rule["sources"]
+    return None if open_by_default else accepted
+
+
+def _beyond(sources: list[str], members: set[str]) -> list[str]:
+    """The sources that are more than one member's address: a network, or an address of no member."""
+    extra = []
+    for source in dict.fromkeys(sources):
+        net = ipaddress.IPv4Network(source, strict=False)
+        if not (net.prefixlen == 32 and str(net.network_address) in members):
+            extra.append(str(net) if net.prefixlen < 32 else str(net.network_address))
+    return extra
+
+
+def _firewall_check(host: str, facts: dict[str, Any], addresses: dict[str, str], port: int) -> Cell:
+    """Whether the host's rendezvous port and ephemeral range accept its cluster's members only."""
+    if ipaddress.IPv4Address(addresses.get(host) or "0.0.0.0").is_loopback:
+        return Cell("PASS", "loopback only")
+    fw = facts.get("firewall")
+    if fw is None:
+        return Cell("SKIP", "not gathered")
+    low, _, high = str(facts.get("port_range") or "32768-60999").partition("-")
+    ports = sorted({port, int(low), int(high or low)})
+    shown = f"{port} and {low}-{high or low}"
+    members = {a for a in addresses.values()}
+    firewalls: list[tuple[str, list[dict[str, Any]], bool]] = []
+    if fw.get("nftables") and fw["nftables"].get("present"):
+        firewalls.append((f"nftables table inet {fw['nftables']['table']}", fw["nftables"]["rules"], True))
+    if fw.get("ufw") and fw["ufw"].get("active"):
+        firewalls.append(("ufw", fw["ufw"]["rules"], fw["ufw"].get("default_incoming") == "allow"))
+    if not firewalls and fw.get("why"):
+        return Cell(
+            "SKIP",
+            "unreadable",
+            f"{host}'s firewall could not be read: {fw['why']}"[:300],
+            f"let {host}'s ansible_user run nft/ufw through sudo without a password, or check by hand",
+        )
+    if not firewalls:
+        return Cell(
+            "WARN",
+            "open to all",
+            f"no ugro firewall on {host} (no nftables table inet ugro, no active ufw): its ports {shown} accept "
+            "connections from anywhere on the LAN, and nothing behind them authenticates",
+            f"on {host}: {FIREWALL_FIX}",
+        )
+    worst: tuple[str, list[str] | None] | None = None
+    for name, rules, open_by_default in firewalls:
+        extra: list[str] | None = []
+        for p in ports:
+            accepted = _accepted_from(rules, p, open_by_default)
+            if accepted is None:
+                extra = None
+                break
+            assert extra is not None
+            extra += [e for e in _beyond(accepted, members) if e not in extra]
+        if extra is not None and not extra:
+            return Cell("PASS", f"members only ({name.split()[0]})")
+        if worst is None or (worst[1] is None and extra is not None):
+            worst = (name, extra)
+    assert worst is not None
+    name, extra = worst
+    who = "anywhere" if extra is None else ", ".join(extra)
+    return Cell(
+        "WARN",
+        "open to all" if extra is None else f"open to {extra[0]}" + (f" +{len(extra) - 1}" if len(extra) > 1 else ""),
+        f"{host}'s ports {shown} accept connections from {who} ({name}), more than the cluster's members; "
+        "nothing behind them authenticates",
+        f"on {host}: {FIREWALL_FIX}",
     )
 
 
@@ -653,6 +741,7 @@ def judge_fast(
     report.checks.append(Check("disk", {h: _disk_check(h, f, rendezvous, thresholds) for h, f in facts.items()}))
     report.checks.append(Check("names", {h: _names_check(h, f, addresses) for h, f in facts.items()}))
     report.checks.append(Check("interface", {h: _interface_check(h, f, addresses[h]) for h, f in facts.items()}))
+    report.checks.append(Check("firewall", {h: _firewall_check(h, f, addresses, port) for h, f in facts.items()}))
     report.checks.append(_rendezvous_row(ok, rendezvous, port, hosts))
     report.checks.append(_ephemeral_row(ok, hosts, addresses))
     report.checks.append(_clock_row(ok, rendezvous, thresholds))
