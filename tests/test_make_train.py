@@ -55,7 +55,10 @@ def test_the_documented_make_lines_work_as_typed_on_a_real_run(
     check = make("validate", job, **_in(checkout))
     assert check.returncode == 0 and ": ok (job " in check.stdout, check.stdout + check.stderr
 
-    result = make("train", job, inv, **_in(checkout))
+    # A token in the user's shell, as many have one: it must not end up in the run's files (docs/security.md).
+    secret = f"hf_{free_port()}NotForTheRunDirectory"
+    at = _in(checkout)
+    result = make("train", job, inv, cwd=at["cwd"], env=at["env"] | {"HF_TOKEN": secret})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "run finished:" in result.stdout
     run_dir = Path(result.stdout.split("run finished:")[1].split()[0])
@@ -77,6 +80,9 @@ def test_the_documented_make_lines_work_as_typed_on_a_real_run(
     export = make("export", job_id, **_in(checkout))
     assert export.returncode == 2 and "Traceback" not in export.stderr, export.stderr
     assert "model.init: random" in " ".join(export.stderr.split())
+
+    holding = [p for p in (checkout / "runs").rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not holding, f"the controller's environment was recorded in {holding}"
 
 
 def test_a_bad_job_file_stops_before_anything_starts(tmp_path: Path) -> None:

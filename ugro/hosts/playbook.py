@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -32,6 +33,35 @@ RUNNER_ENV = {
     "RUNNER_OMIT_EVENTS": "False",
     "RUNNER_ONLY_FAILED_EVENTS": "False",
 }
+
+
+# What ansible-runner's record of a run (artifacts/<id>/command) keeps of the environment once the playbook has
+# ended: the variables the controller and ansible-runner set for Ansible. It writes the controller's whole
+# environment there first, tokens and keys a user's shell holds included (HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...).
+RECORDED_ENV = {
+    *RUNNER_ENV,
+    "ANSIBLE_CONFIG",
+    "PATH",
+    "ANSIBLE_STDOUT_CALLBACK",
+    "ANSIBLE_CALLBACK_PLUGINS",
+    "ANSIBLE_RETRY_FILES_ENABLED",
+    "ANSIBLE_HOST_KEY_CHECKING",
+    "ANSIBLE_CACHE_PLUGIN",
+    "ANSIBLE_CACHE_PLUGIN_CONNECTION",
+    "AWX_ISOLATED_DATA_DIR",
+}
+
+
+def forget_environment(runner: Any) -> None:
+    """Reduce the environment ansible-runner recorded for a finished playbook to RECORDED_ENV, so that no secret
+    of the controller's environment stays in the run's directory."""
+    record = Path(runner.config.artifact_dir) / "command"
+    try:
+        data = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    data["env"] = {k: v for k, v in dict(data.get("env") or {}).items() if k in RECORDED_ENV}
+    record.write_text(json.dumps(data), encoding="utf-8")
 
 
 @dataclass
@@ -114,6 +144,7 @@ def start_playbook(
         quiet=True,
         rotate_artifacts=3,
         event_handler=on_event,
+        finished_callback=forget_environment,
     )
     return run
 
