@@ -169,11 +169,8 @@ def preflight(
         for h, f in run.facts.items()
         if f.get("preflight_report", {}).get("host")
     }
-    ranks = {
-        h: int(f["preflight_report"]["ranks"])
-        for h, f in run.facts.items()
-        if f.get("preflight_report", {}).get("ranks") is not None
-    }
+    reported = {h: f.get("preflight_report", {}).get("ranks") for h, f in run.facts.items()}
+    ranks = {h: int(reported[h]) for h in report.hosts if reported.get(h) is not None}  # in node-rank order
     seconds = {"fast": time.monotonic() - started}
     if heavy and job_file is not None:
         mid = time.monotonic()
