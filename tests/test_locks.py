@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from tools import lock as locker
 from ugro.stack import lockfile as locks
@@ -65,6 +66,16 @@ def test_node_lock_holds_torch_with_its_cuda_libraries_and_no_controller_tool() 
     gpu = locks.read(_lock("3.12", "gpu"))
     assert gpu["unsloth"].version == "2026.10.1"
     assert "xformers" not in gpu and locks.omitted(_lock("3.12", "gpu")) == ["xformers"]
+
+
+def test_the_cuda_stack_node_in_pins_is_the_one_every_node_lock_holds() -> None:
+    """requirements/node.in names torch's CUDA stack as torch 2.13.0 declares it; every node lock pins the same."""
+    found = re.findall(r"^([a-z0-9-]+)(?:\[[^\]]*\])?==([^;\s]+);", (locks.REQUIREMENTS / "node.in").read_text(), re.M)
+    pinned = {name: Version(version) for name, version in found}
+    assert {"cuda-toolkit", "nvidia-cudnn-cu13", "nvidia-nccl-cu13", "triton"} <= set(pinned), pinned
+    for python in locks.PYTHONS:
+        node = locks.read(_lock(python, "node"))
+        assert {name: Version(node[name].version) for name in pinned if name in node} == pinned, f"Python {python}"
 
 
 def test_the_uv_every_node_syncs_with_is_the_one_make_venv_bootstraps() -> None:
