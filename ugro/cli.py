@@ -163,9 +163,7 @@ def validate(
     if cuda is None:
         raise _fail(f"the node lock cannot be judged: {why}")
     console.print(f"backend: {stack.policy(job.model.backend, cuda)}", highlight=False)
-    if inventory is not None:
-        if not inventory.is_file():
-            raise _fail(f"{inventory}: inventory not found")
+    if inventory is not None:  # _preflight names a missing inventory
         planned = _fast_preflight(inventory, job, job_file)
         console.print(f"{inventory}: ok, {ranks.describe(planned)} for a global batch of "
                       f"{job.train.global_batch_size}", highlight=False)  # fmt: skip

@@ -51,6 +51,11 @@ class K8sOptions:
     port: int = 29500
     code_dir: str = "/opt/ugro"
 
+    @property
+    def nproc(self) -> int:
+        """Ranks per pod: one per GPU, or the CPU processes of a job without GPUs."""
+        return self.gpus_per_node if self.gpus_per_node > 0 else self.cpu_procs_per_node
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -110,12 +115,11 @@ def _pod_spec(
     master: str,
 ) -> dict[str, Any]:
     run_dir = f"{RUNS_MOUNT}/{names['job_id']}"
-    nproc = opts.gpus_per_node if opts.gpus_per_node > 0 else opts.cpu_procs_per_node
     python = f"{opts.code_dir}/.venv/bin/python"
     args = [
         python,
         f"--nnodes={world}",
-        f"--nproc-per-node={nproc}",
+        f"--nproc-per-node={opts.nproc}",
         "--rdzv-backend=static",
         f"--master-addr={master}",
         f"--master-port={opts.port}",
@@ -173,9 +177,8 @@ def manifest(job: JobConfig, job_file: Path, opts: K8sOptions, map_file: Path, j
     names = {"job_id": job_id, "service": base, "config": base}
     labels = {LABEL: base, "app.kubernetes.io/name": "ugro"}
     world = sum(count for _, count in groups)
-    nproc = opts.gpus_per_node if opts.gpus_per_node > 0 else opts.cpu_procs_per_node
-    starts = f"{world} pod(s) with {nproc} process(es) each start {world * nproc} ranks"
-    problem = ranks.too_few_sequences(job, job_file, world * nproc, starts, "--nodes, --gpus-per-node or "
+    starts = f"{world} pod(s) with {opts.nproc} process(es) each start {world * opts.nproc} ranks"
+    problem = ranks.too_few_sequences(job, job_file, world * opts.nproc, starts, "--nodes, --gpus-per-node or "
                                       "--cpu-procs-per-node")  # fmt: skip
     if problem:
         raise ConfigError(problem)

@@ -56,6 +56,11 @@ class SlurmOptions:
     ifname: str = ""  # GLOO/NCCL_SOCKET_IFNAME, when hostname resolution picks the wrong interface
     extra: list[str] = field(default_factory=list)  # further #SBATCH options, verbatim
 
+    @property
+    def nproc(self) -> int:
+        """Ranks per node: one per GPU, or the CPU processes of a job without GPUs."""
+        return self.gpus_per_node if self.gpus_per_node > 0 else self.cpu_procs_per_node
+
 
 @dataclass(frozen=True)
 class Export:
@@ -133,9 +138,8 @@ def export(
     _check_options(opts)
     job = load_job(job_file)
     jobcheck.check_data(job, code_dir)  # a bad record fails here, naming the file and line, not on a node
-    nproc = opts.gpus_per_node if opts.gpus_per_node > 0 else opts.cpu_procs_per_node
-    starts = f"--nodes {opts.nodes} with {nproc} process(es) each start {opts.nodes * nproc} ranks"
-    problem = ranks.too_few_sequences(job, job_file, opts.nodes * nproc, starts, "--nodes, --gpus-per-node or "
+    starts = f"--nodes {opts.nodes} with {opts.nproc} process(es) each start {opts.nodes * opts.nproc} ranks"
+    problem = ranks.too_few_sequences(job, job_file, opts.nodes * opts.nproc, starts, "--nodes, --gpus-per-node or "
                                       "--cpu-procs-per-node")  # fmt: skip
     if problem:
         raise ConfigError(problem)
@@ -162,7 +166,7 @@ def export(
         "python": str(python),
         "script": str(slurm_dir / "job.sbatch"),
         "node_script": str(slurm_dir / "node.sh"),
-        "nproc": nproc,
+        "nproc": opts.nproc,
         "port_base": PORT_BASE,
         "port_span": PORT_SPAN,
         "map_source": pmap.source,
