@@ -181,6 +181,13 @@ class RankLocalConfig(_Strict):
         "micro_batch_tokens // data.seq_len sequences (and never more than micro_batch_size).",
     )
     gradient_checkpointing: bool = False
+    memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description="The memory this rank may use for the model, its activations and the optimizer (GiB). The "
+        "stage planner sizes pipeline stages by it; unset: the GPU's memory, or on a CPU host its available "
+        "memory divided among its ranks.",
+    )
 
     def cap(self, seq_len: int) -> int:
         """The most sequences of ``seq_len`` tokens one micro-batch of this rank may hold."""
@@ -223,6 +230,19 @@ class BenchmarkConfig(_Strict):
 
 Balance = Literal["auto", "equal"] | dict[str, Annotated[float, Field(gt=0)]]
 
+
+class StagesConfig(_Strict):
+    """A pipeline layout fixed by the user instead of planned (docs/pipeline.md)."""
+
+    stages: Annotated[int, Field(gt=0)] | Annotated[list[Annotated[int, Field(gt=0)]], Field(min_length=1)] = Field(
+        description="Stages per pipeline: a number (the planner sizes each stage's layers by its host's memory and "
+        "speed) or the decoder layers of each stage in rank order, e.g. [14, 16]. The ranks form as many pipelines "
+        "of this many stages as they fill; every rank must belong to one."
+    )
+
+
+Parallel = Literal["auto", "data"] | StagesConfig
+
 CLUSTER_WIDE_SECTIONS = ("model", "lora", "data", "eval", "optim", "schedule", "train", "checkpoint", "distributed")
 
 
@@ -243,6 +263,12 @@ class JobConfig(_Strict):
         "drifts; equal: the same share for every rank; {host: weight}: fixed shares by host (every rank of a host "
         "gets the host's weight). Micro-batches never exceed a rank's rank_local.micro_batch_size (nor its "
         "rank_local.micro_batch_tokens).",
+    )
+    parallel: Parallel = Field(
+        "auto",
+        description="How ranks share the model. auto: every rank holds the whole model (data parallel) when it fits "
+        "every rank's memory, else the model is cut into pipeline stages sized to each host's memory and speed; "
+        "data: always data parallel; {stages: N} or {stages: [layers, ...]}: pipelines of that shape.",
     )
     rank_local: RankLocalConfig = RankLocalConfig()
     benchmark: BenchmarkConfig | None = None
@@ -270,7 +296,8 @@ class JobConfig(_Strict):
             key: None if getattr(self, key) is None else getattr(self, key).model_dump(mode="json")
             for key in CLUSTER_WIDE_SECTIONS
         }
-        return sections | {"name": self.name, "balance": self.balance}
+        parallel = self.parallel if isinstance(self.parallel, str) else self.parallel.model_dump(mode="json")
+        return sections | {"name": self.name, "balance": self.balance, "parallel": parallel}
 
     def cluster_hash(self) -> str:
         blob = json.dumps(self.cluster_wide(), sort_keys=True).encode()

@@ -36,8 +36,13 @@ def label_tokens(batch: dict[str, torch.Tensor]) -> int:
 def summed_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over the batch's label tokens, in fp32."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return logits_loss(logits, batch["labels"])
+
+
+def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy of ``logits`` against ``labels`` (IGNORE where there is no label), in fp32."""
     shifted = logits[:, :-1, :].float()
-    targets = batch["labels"][:, 1:]
+    targets = labels[:, 1:]
     return F.cross_entropy(
         shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
     )
@@ -92,6 +97,21 @@ class StepClock:
         self.last_compute_s = self._mark - self._start
 
 
+def exchange(counted_tokens: int, clock: StepClock, device: torch.device) -> int:
+    """Collective, once per step: the step's label tokens summed over the ranks (each counts ``counted_tokens``),
+    and every rank's compute time and tokens of the previous step into ``clock.gathered*``."""
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else 1
+    rank = dist.get_rank() if initialized else 0
+    stats = torch.zeros(1 + 2 * world, dtype=torch.float64, device=device)
+    stats[0] = counted_tokens
+    stats[1 + rank] = clock.last_compute_s
+    stats[1 + world + rank] = clock.last_tokens
+    values = _all_reduce_sum(stats).tolist()
+    clock.gathered, clock.gathered_tokens = values[1 : 1 + world], values[1 + world :]
+    return int(values[0])
+
+
 def backward(
     model: torch.nn.Module,
     micro_batches: Sequence[dict[str, torch.Tensor]],
@@ -100,16 +120,9 @@ def backward(
 ) -> tuple[float, int]:
     """Accumulate the token-weighted gradient of this rank's micro-batches; return (global mean loss, T)."""
     clock = clock or StepClock()
-    initialized = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size() if initialized else 1
-    rank = dist.get_rank() if initialized else 0
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     own_tokens = sum(label_tokens(mb) for mb in micro_batches)
-    stats = torch.zeros(1 + 2 * world, dtype=torch.float64, device=device)
-    stats[0] = own_tokens
-    stats[1 + rank] = clock.last_compute_s
-    stats[1 + world + rank] = clock.last_tokens
-    values = _all_reduce_sum(stats).tolist()
-    total, clock.gathered, clock.gathered_tokens = int(values[0]), values[1 : 1 + world], values[1 + world :]
+    total = exchange(own_tokens, clock, device)
 
     clock.begin()
     scale = world / max(total, 1)
