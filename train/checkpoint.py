@@ -19,6 +19,7 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,15 @@ def latest_valid(run_dir: Path) -> Path | None:
     return None
 
 
+def gather_rngs() -> list[Any]:
+    """Collective: every rank's RNG states, by rank."""
+    rngs: list[Any] = [rng_state()]
+    if dist.is_initialized():
+        rngs = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng_state())
+    return rngs
+
+
 def save(
     run_dir: Path,
     step: int,
@@ -122,19 +132,9 @@ def save(
     extra: dict[str, Any],
 ) -> Path | None:
     """Collective: every rank contributes its RNG state; rank 0 writes. Returns the path on rank 0."""
-    rngs: list[Any] = [rng_state()]
-    if dist.is_initialized():
-        rngs = [None] * dist.get_world_size()
-        dist.all_gather_object(rngs, rng_state())
+    rngs = gather_rngs()
     if not is_main:
         return None
-    root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:06d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.save_pretrained(str(tmp / "adapter"), save_embedding_layers=False)
     state = {
         "step": step,
         "trainable": trainable_state(model),
@@ -143,6 +143,22 @@ def save(
         "rng": rngs,
         **extra,
     }
+
+    def adapter(folder: Path) -> None:
+        model.save_pretrained(str(folder), save_embedding_layers=False)
+
+    return write(run_dir, step, state, keep_last, adapter)
+
+
+def write(run_dir: Path, step: int, state: dict[str, Any], keep_last: int, adapter: Callable[[Path], None]) -> Path:
+    """Write ``state.pt`` and the adapter (``adapter(dir)`` writes it) atomically, verify, drop old checkpoints."""
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:06d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    adapter(tmp / "adapter")
     torch.save(state, tmp / "state.pt")
     files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
@@ -159,10 +175,8 @@ def save(
     return final
 
 
-def restore(
-    run_dir: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int, src: int = 0
-) -> Restored | None:
-    """Collective: rank ``src`` loads the newest intact checkpoint and broadcasts it to every rank."""
+def fetch(run_dir: Path, rank: int, src: int = 0) -> tuple[Path, dict[str, Any]] | None:
+    """Collective: rank ``src`` loads the newest intact checkpoint's state and broadcasts it to every rank."""
     payload: list[Any] = [None]
     if rank == src:
         path = latest_valid(run_dir)
@@ -174,20 +188,40 @@ def restore(
     if payload[0] is None:
         return None
     path_str, state = payload[0]
+    return Path(path_str), state
+
+
+def restore_rng(state: dict[str, Any], rank: int) -> None:
+    """The rank's RNG states from a checkpoint written by as many ranks, else a seed of its own."""
+    rngs = state["rng"]
+    if len(rngs) == (dist.get_world_size() if dist.is_initialized() else 1):
+        set_rng_state(rngs[rank])
+    else:
+        torch.manual_seed(hash((state["step"], rank)) & 0xFFFFFFFF)
+
+
+def restored(path: Path, state: dict[str, Any]) -> Restored:
+    known = {"step", "trainable", "optimizer", "scheduler", "rng"}
+    extra = {k: v for k, v in state.items() if k not in known}
+    return Restored(step=int(state["step"]), path=path, extra=extra)
+
+
+def restore(
+    run_dir: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int, src: int = 0
+) -> Restored | None:
+    """Collective: rank ``src`` loads the newest intact checkpoint and broadcasts it to every rank."""
+    fetched = fetch(run_dir, rank, src)
+    if fetched is None:
+        return None
+    path, state = fetched
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in state["trainable"].items():
             params[name].copy_(value.to(params[name].device))
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    rngs = state["rng"]
-    if len(rngs) == (dist.get_world_size() if dist.is_initialized() else 1):
-        set_rng_state(rngs[rank])
-    else:
-        torch.manual_seed(hash((state["step"], rank)) & 0xFFFFFFFF)
-    known = {"step", "trainable", "optimizer", "scheduler", "rng"}
-    extra = {k: v for k, v in state.items() if k not in known}
-    return Restored(step=int(state["step"]), path=Path(path_str), extra=extra)
+    restore_rng(state, rank)
+    return restored(path, state)
 
 
 def name_base(adapter: Path, source: str) -> None:

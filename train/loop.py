@@ -10,8 +10,7 @@ from pathlib import Path
 
 import torch
 
-from train import checkpoint, distributed, evaluate, preempt
-from train.balance import Balancer
+from train import checkpoint, distributed, engine, evaluate, placement, preempt
 from train.config import JobConfig
 from train.data import prepare
 from train.distributed import RankInfo
@@ -25,10 +24,8 @@ from train.metrics import (
     write_samples,
     write_status,
 )
-from train.model import load_model
 from train.sampler import GlobalBatchSampler
 from train.schedule import warmup_cosine
-from train.step import backward, clip
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +41,15 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     """Train (under `make bench`, the job's benchmark section makes this rank emulate a slower device)."""
     torch.manual_seed(job.train.seed)
     preempt.install()  # a batch scheduler's warning before its time limit (train/preempt.py); LAN: nothing
-    model, tokenizer, backend = load_model(job, code_dir, info.device)
+    layout = placement.decide(job, info, code_dir)  # data parallel, or pipeline stages when the model needs them
+    run = engine.build(job, info, code_dir, layout, run_dir)
+    tokenizer, backend = run.tokenizer, run.backend
     blocks = prepare(job.data, tokenizer, code_dir)
     held_out = evaluate.load(job, tokenizer, code_dir)
     # Loading takes each host its own time; from here on collectives wait at most distributed.timeout_s.
     distributed.wait_for_all("the model and data are loaded", job.distributed.startup_timeout_s)
     sampler = GlobalBatchSampler(len(blocks), job.train.global_batch_size, job.train.seed)
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = run.trainable
     optimizer = torch.optim.AdamW(
         trainable, lr=job.optim.lr, betas=job.optim.betas, eps=job.optim.eps, weight_decay=job.optim.weight_decay
     )
@@ -58,7 +57,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
 
     start = 0
     torch.manual_seed(job.train.seed + 7919 * (info.rank + 1))  # LoRA dropout differs per rank
-    restored = checkpoint.restore(run_dir, model, optimizer, scheduler, info.rank, info.main_rank) if resume else None
+    restored = run.restore(run_dir, optimizer, scheduler) if resume else None
     if restored is not None:
         start = restored.step
         log.info("resumed from %s at step %d", restored.path, start)
@@ -69,18 +68,17 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     elif resume:
         log.info("no intact checkpoint in %s: starting from step 0", run_dir / "checkpoints")
 
-    balancer = Balancer(job, info, restored.extra.get("plan") if restored else None)
-    compress = distributed.compression(job, info, model)
-    ddp = distributed.wrap(model, info, balancer.clock, compress)
+    how = run.start(restored.extra.get("plan") if restored else None)
+    balancer = run.balancer
     log.info(
-        "backend=%s device=%s blocks=%d seq_len=%d trainable=%d micro_batch_cap=%d grad_compression=%s",
+        "backend=%s device=%s blocks=%d seq_len=%d trainable=%d micro_batch_cap=%d %s",
         backend,
         info.device,
         len(blocks),
         job.data.seq_len,
         sum(p.numel() for p in trainable),
         job.micro_batch_cap,
-        compress,
+        how,
     )
     writer = MetricsWriter(run_dir, job.train.max_steps, start) if info.is_main else None
     if info.is_main:
@@ -92,6 +90,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             backend=backend,
             world_size=info.world_size,
             plan=balancer.plan.to_dict(),
+            layout=layout.to_dict(),
             error=None,  # a relaunch after a failure starts clean
             cause=None,
         )
@@ -100,8 +99,8 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         """Every rank evaluates its part; the main rank records the mean over all of them."""
         if held_out is None or job.eval is None:
             return
-        with contextlib.nullcontext() if adapter else evaluate.base_model(model):
-            value, count = evaluate.loss(model, held_out, info, job.eval.batch_size)
+        with contextlib.nullcontext() if adapter else run.base_model():
+            value, count = run.held_out_loss(held_out, job.eval.batch_size)
         if writer is not None:
             writer.log_eval(step, value, count, adapter)
             log.info("step %d: held-out loss %.4f over %d answer tokens (%s)", step, value, count,
@@ -110,19 +109,19 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
 
     if start == 0:
         held_out_loss(0, adapter=False)
-    ddp.train()
+    run.train()
     progress.step = start
     for step in range(start, job.train.max_steps):
-        indices = sampler.micro_batches(step, info.rank, balancer.plan.shares, balancer.micro_sizes())
+        indices = sampler.micro_batches(step, run.batch_rank, balancer.plan.shares, balancer.micro_sizes())
         micro_batches = [blocks.batch(ix, info.device) for ix in indices]
-        loss, tokens = backward(ddp, micro_batches, info.device, balancer.clock)
-        shares = balancer.plan.shares  # the split this step ran with
+        loss, tokens = run.step(micro_batches)
+        shares = run.rank_shares()  # the split this step ran with
         new_plan = balancer.after_step(warming_up=step < start + 2)
         if new_plan is not None:
             log.info("step %d: re-planned from measured step times: %s", step + 1, new_plan.describe())
             if info.is_main:
                 write_status(run_dir, plan=new_plan.to_dict())
-        grad_norm = clip(trainable, job.optim.grad_clip)
+        grad_norm = run.clip(job.optim.grad_clip)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             last = checkpoint.latest_valid(run_dir)
             raise NonFiniteError(
@@ -155,37 +154,30 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             held_out_loss(done)
         stop = preempt.requested(info.device)  # collective when installed: every rank stops after this step
         if done % job.checkpoint.every == 0 or done == job.train.max_steps or stop:
-            saved = checkpoint.save(
-                run_dir,
-                done,
-                model,
-                optimizer,
-                scheduler,
-                job.checkpoint.keep_last,
-                info.is_main,
-                {"cluster_hash": job.cluster_hash(), "world_size": info.world_size, "plan": balancer.plan.to_dict()},
-            )
+            extra = {"cluster_hash": job.cluster_hash(), "world_size": info.world_size, "plan": balancer.plan.to_dict()}
+            saved = run.save(run_dir, done, optimizer, scheduler, extra)
             if saved is not None:
                 log.info("checkpoint %s written and verified", saved)
                 write_status(run_dir, step=done, last_checkpoint=str(saved))
         if stop and done < job.train.max_steps:
             raise preempt.stop(run_dir, info.is_main, done)
 
+    run.save_adapter(run_dir / "adapter")  # with stages: every stage's LoRA weights put together on the main rank
     if writer is not None:
         writer.close()
-        model.save_pretrained(str(run_dir / "adapter"), save_embedding_layers=False)
         tokenizer.save_pretrained(str(run_dir / "adapter"))
         checkpoint.name_base(run_dir / "adapter", job.model.source)
         if held_out is not None and job.eval is not None and job.eval.samples:
             asked = held_out.records[: job.eval.samples]
-            with evaluate.base_model(model):
-                before = evaluate.answers(model, tokenizer, job, asked, info.device)
-            after = evaluate.answers(model, tokenizer, job, asked, info.device)
-            items = [
-                {"question": evaluate.question(r), "reference": evaluate.reference(r), "before": b, "after": a}
-                for r, b, a in zip(asked, before, after, strict=True)
-            ]
-            log.info("answers before/after in %s", write_samples(run_dir, job.model.source, items))
+            answered = run.answers(asked)
+            if answered is None:
+                log.info("answers before/after: not written with pipeline stages (the held-out loss is)")
+            else:
+                items = [
+                    {"question": evaluate.question(r), "reference": evaluate.reference(r), "before": b, "after": a}
+                    for r, b, a in zip(asked, *answered, strict=True)
+                ]
+                log.info("answers before/after in %s", write_samples(run_dir, job.model.source, items))
         plot_loss(run_dir)
         write_status(run_dir, state="finished", step=job.train.max_steps, error=None, cause=None)
         log.info("finished: adapter in %s", run_dir / "adapter")

@@ -59,7 +59,8 @@ def _stage_config(config: dict[str, Any], stage: Stage, first: bool, last: bool)
     if not last:
         out["tie_word_embeddings"] = True  # the head is never used here: let it share the embedding's memory
     if not first and not last:
-        out |= {"vocab_size": 1, "pad_token_id": None, "tie_word_embeddings": True}
+        out |= {"vocab_size": 1, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+                "tie_word_embeddings": True}  # fmt: skip
     return out
 
 

@@ -1,0 +1,74 @@
+"""A real torchrun job in pipeline stages: it trains, checkpoints, resumes re-cut, and leaves one whole adapter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from helpers import REPO, Run, write_job
+
+from train import evaluate
+from train.config import load_job
+from train.distributed import RankInfo
+from train.metrics import read_metrics
+from train.model import load_base_hf, load_tokenizer
+
+EVAL = {"source": "data/sample/eval.jsonl", "every": 3, "samples": 0}
+
+
+def _job(path: Path, stages: int) -> Path:
+    return write_job(
+        path,
+        train={"max_steps": 6, "global_batch_size": 6, "log_every": 1},
+        schedule={"warmup_steps": 1},
+        checkpoint={"every": 3, "keep_last": 2},
+        eval=EVAL,
+        parallel={"stages": stages},
+        lora={"dropout": 0.0},
+    )
+
+
+def _whole_model_loss(job_file: Path, adapter: Path) -> float:
+    """The held-out loss of the whole base (one process) with the run's adapter loaded by peft."""
+    from peft import PeftModel
+
+    job = load_job(job_file)
+    base = load_base_hf(job.model, REPO, torch.device("cpu"), job.train.seed)
+    model = PeftModel.from_pretrained(base, str(adapter))
+    held_out = evaluate.load(job, load_tokenizer(job.model, REPO), REPO)
+    assert held_out is not None
+    value, _ = evaluate.loss(model, held_out, RankInfo(0, 0, 1, "test", torch.device("cpu")), 8)
+    return value
+
+
+def test_three_stages_train_resume_as_two_and_leave_one_adapter_for_the_whole_base(
+    tmp_path: Path, torchrun: Run
+) -> None:
+    job3 = _job(tmp_path / "three.yaml", 3)
+    run = tmp_path / "run"
+    result = torchrun(job3, run, nproc=3)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    status = json.loads((run / "run.json").read_text())
+    assert status["state"] == "finished"
+    assert [len(r["stages"]) for r in status["layout"]["replicas"]] == [3]
+    assert status["eval_loss_after"] < status["eval_loss_before"]
+    losses = {row["step"]: row["loss"] for row in read_metrics(run)}
+
+    # The stages' LoRA weights, put together, are one adapter for the whole base: peft loads it onto the
+    # base in one process, and that model has the held-out loss the stages measured.
+    assert abs(_whole_model_loss(job3, run / "adapter") - status["eval_loss_after"]) < 1e-4
+
+    # Resume from step 3 with two stages instead of three: the checkpoint is cut anew, and with dropout off
+    # the steps after it match the uninterrupted run's.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-000006")
+    job2 = _job(tmp_path / "two.yaml", 2)
+    result = torchrun(job2, resumed, nproc=2, resume="auto")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert json.loads((resumed / "run.json").read_text())["resumed"]["from_step"] == 3
+    again = {row["step"]: row["loss"] for row in read_metrics(resumed)}
+    for step in (4, 5, 6):
+        assert abs(again[step] - losses[step]) <= 1e-4 * abs(losses[step]), (step, again[step], losses[step])

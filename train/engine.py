@@ -1,0 +1,282 @@
+"""What a rank computes each step, in the layout the job runs with: a whole replica (DDP) or a pipeline stage.
+
+The training loop (train/loop.py) is the same for both; it asks its engine to load, step, clip, evaluate,
+save and restore. ``DataParallel`` is every rank holding the whole model with DDP over the LoRA weights.
+``Pipelined`` is any layout with stages (train/topology.py): the rank holds its stage's layers, runs the
+1F1B step (train/pipeline.py), and checkpoints and adapters are put together from every stage under the
+base's own names, in the same format as data parallel's, so a resume may re-cut the stages or go back to
+data parallel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from train import checkpoint, distributed, evaluate, pipeline, stagemodel
+from train.balance import Balancer
+from train.config import JobConfig
+from train.distributed import RankInfo
+from train.evaluate import HeldOut
+from train.model import DTYPES, load_model
+from train.planner import Plan, make_plan, split
+from train.records import Record
+from train.step import StepClock, backward, clip
+from train.topology import Layout
+
+log = logging.getLogger(__name__)
+
+
+class DataParallel:
+    """Every rank a whole replica: DDP over the LoRA weights, shares by measured speed (train/balance.py)."""
+
+    def __init__(self, job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout) -> None:
+        self.job, self.info, self.layout = job, info, layout
+        self.model, self.tokenizer, self.backend = load_model(job, code_dir, info.device)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.batch_rank = info.rank  # the sampler's index of this rank's share
+        self.balancer: Balancer
+        self.ddp: torch.nn.Module = self.model
+
+    def start(self, saved_plan: dict[str, Any] | None) -> str:
+        self.balancer = Balancer(self.job, self.info, saved_plan)
+        compress = distributed.compression(self.job, self.info, self.model)
+        self.ddp = distributed.wrap(self.model, self.info, self.balancer.clock, compress)
+        return f"data parallel, grad_compression={compress}"
+
+    def rank_shares(self) -> tuple[int, ...]:
+        return self.balancer.plan.shares
+
+    def train(self) -> None:
+        self.ddp.train()
+
+    def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+        return backward(self.ddp, micro_batches, self.info.device, self.balancer.clock)
+
+    def clip(self, max_norm: float) -> float:
+        return clip(self.trainable, max_norm)
+
+    def base_model(self) -> contextlib.AbstractContextManager[None]:
+        return evaluate.base_model(self.model)
+
+    def held_out_loss(self, held_out: HeldOut, batch_size: int) -> tuple[float, int]:
+        return evaluate.loss(self.model, held_out, self.info, batch_size)
+
+    def restore(self, run_dir: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> checkpoint.Restored | None:
+        return checkpoint.restore(run_dir, self.model, optimizer, scheduler, self.info.rank, self.info.main_rank)
+
+    def save(self, run_dir: Path, step: int, optimizer: torch.optim.Optimizer, scheduler: Any,
+             extra: dict[str, Any]) -> Path | None:  # fmt: skip
+        return checkpoint.save(
+            run_dir, step, self.model, optimizer, scheduler, self.job.checkpoint.keep_last, self.info.is_main, extra
+        )
+
+    def save_adapter(self, folder: Path) -> None:
+        if self.info.is_main:
+            self.model.save_pretrained(str(folder), save_embedding_layers=False)
+
+    def answers(self, records: list[Record]) -> tuple[list[str], list[str]] | None:
+        """Greedy answers of the base and of the fine-tuned model (main rank only)."""
+        with evaluate.base_model(self.model):
+            before = evaluate.answers(self.model, self.tokenizer, self.job, records, self.info.device)
+        return before, evaluate.answers(self.model, self.tokenizer, self.job, records, self.info.device)
+
+
+class Fixed:
+    """The replicas' shares of each global batch in a pipelined layout: by the plan's speeds, for the whole run."""
+
+    def __init__(self, plan: Plan, replica: int) -> None:
+        self.plan, self.replica, self.clock = plan, replica, StepClock()
+
+    def micro_sizes(self) -> list[int]:
+        return self.plan.micro_sizes(self.replica)
+
+    def after_step(self, warming_up: bool) -> Plan | None:
+        return None
+
+
+class Pipelined:
+    """This rank's stage of a pipeline (or a whole replica beside pipelines)."""
+
+    def __init__(self, job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout, run_dir: Path) -> None:
+        self.job, self.info, self.layout = job, info, layout
+        self.where, self.stage = layout.where(info.rank), layout.stage(info.rank)
+        if self.where.stages == 1:
+            self.model, self.tokenizer, self.backend = load_model(job, code_dir, info.device)
+            stagemodel.seed_lora(self.model, job.train.seed)
+        else:
+            scratch = run_dir / "hosts" / info.host / "stages"
+            first, last = self.where.first, self.where.last
+            self.model, self.tokenizer = stagemodel.load_stage(job, code_dir, self.stage, first, last, info.device,
+                                                               scratch)  # fmt: skip
+            self.backend = "hf"
+        self.named = pipeline.named_trainable(self.model, self.stage.start)
+        self.trainable = [p for _, p in self.named]
+        self.sync = pipeline.GradSync(self.named, info.rank, info.world_size)
+        hidden = int(self.model.get_base_model().config.hidden_size)
+        self.runner = pipeline.StageRunner(self.model, self.where, hidden, DTYPES[job.model.dtype], info.device)
+        self.batch_rank = self.where.replica
+        self.balancer: Fixed
+
+    def start(self, saved_plan: dict[str, Any] | None) -> str:
+        caps: list[Any] = [self.job.micro_batch_cap]
+        if dist.is_initialized():
+            caps = [None] * self.info.world_size
+            dist.all_gather_object(caps, self.job.micro_batch_cap)
+        speeds = [r.speed for r in self.layout.replicas]
+        shares = split(self.job.train.global_batch_size, speeds)
+        replica_caps = []
+        for replica, share in zip(self.layout.replicas, shares, strict=True):
+            # A pipeline wants at least as many micro-batches as stages, or stages wait for each other.
+            fill = max(1, share // len(replica.stages))
+            replica_caps.append(min(min(int(caps[r]) for r in replica.ranks), fill))
+        plan = make_plan(self.job.train.global_batch_size, speeds, replica_caps, "layout")
+        self.balancer = Fixed(plan, self.where.replica)
+        stage = f"stage {self.where.stage + 1}/{self.where.stages} of replica {self.where.replica}"
+        sizes = plan.micro_sizes(self.where.replica)
+        layers = f"layers {self.stage.start}-{self.stage.end - 1}"
+        return f"pipeline: {stage}, {layers}, micro-batches {sizes}, {self.sync.bytes_per_step} gradient bytes/step"
+
+    def rank_shares(self) -> tuple[int, ...]:
+        shares = self.balancer.plan.shares
+        return tuple(shares[self.layout.where(r).replica] for r in range(self.info.world_size))
+
+    def train(self) -> None:
+        self.model.train()
+
+    def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+        loss, tokens = self.runner.step(micro_batches, self.balancer.clock)
+        self.sync.all_reduce()
+        return loss, tokens
+
+    def clip(self, max_norm: float) -> float:
+        return self.sync.clip(max_norm)
+
+    def base_model(self) -> contextlib.AbstractContextManager[None]:
+        return evaluate.base_model(self.model)
+
+    @torch.no_grad()
+    def held_out_loss(self, held_out: HeldOut, batch_size: int) -> tuple[float, int]:
+        """Each replica evaluates every R-th held-out record through its stages; one all-reduce sums them."""
+        was_training = self.model.training
+        self.model.eval()
+        blocks = held_out.blocks
+        mine = list(range(self.where.replica, len(blocks), len(self.layout.replicas)))
+        batches = [blocks.batch(mine[i : i + batch_size], self.info.device) for i in range(0, len(mine), batch_size)]
+        summed, tokens = self.runner.loss(batches)
+        total = torch.tensor([summed, float(tokens)], dtype=torch.float64)
+        if dist.is_initialized() and self.info.world_size > 1:
+            dist.all_reduce(total)
+        self.model.train(was_training)
+        count = int(total[1])
+        return (float(total[0]) / count if count else math.nan), count
+
+    def _gather(self, optimizer: torch.optim.Optimizer | None) -> list[Any] | None:
+        """Collective: every rank's (replica, stage, named LoRA weights, named optimizer state, peft state) on main."""
+        from peft import get_peft_model_state_dict
+
+        state = {
+            name: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
+            for name, p in self.named
+            if optimizer is not None and p in optimizer.state
+        }
+        peft_state = {
+            stagemodel.global_name(k, self.stage.start): v.detach().cpu().clone()
+            for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()
+        }
+        config = self.model.peft_config["default"] if self.where.last else None
+        mine = (self.where.replica, self.where.stage, {n: p.detach().cpu().clone() for n, p in self.named}, state,
+                peft_state, config)  # fmt: skip
+        if not dist.is_initialized():
+            return [mine]
+        everyone: list[Any] | None = [None] * self.info.world_size if self.info.is_main else None
+        dist.gather_object(mine, everyone, dst=self.info.main_rank)
+        return everyone
+
+    @staticmethod
+    def _whole(everyone: list[Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor], Any]:
+        """Replica 0's stages in order: the whole model's LoRA weights in the whole model's order."""
+        stages = sorted((e for e in everyone if e[0] == 0), key=lambda e: e[1])
+        weights: dict[str, torch.Tensor] = {}
+        moments: dict[str, Any] = {}
+        peft_state: dict[str, torch.Tensor] = {}
+        config = None
+        for _, _, params, state, peft_part, peft_config in stages:
+            weights |= params
+            moments |= state
+            peft_state |= peft_part
+            config = peft_config or config
+        return weights, moments, peft_state, config
+
+    def _adapter_writer(self, peft_state: dict[str, torch.Tensor], config: Any) -> Any:
+        def write(folder: Path) -> None:
+            from safetensors.torch import save_file
+
+            folder.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in peft_state.items()}, str(folder / "adapter_model.safetensors"),
+                      metadata={"format": "pt"})  # fmt: skip
+            config.save_pretrained(str(folder))
+
+        return write
+
+    def save(self, run_dir: Path, step: int, optimizer: torch.optim.Optimizer, scheduler: Any,
+             extra: dict[str, Any]) -> Path | None:  # fmt: skip
+        rngs = checkpoint.gather_rngs()
+        everyone = self._gather(optimizer)
+        if not self.info.is_main or everyone is None:
+            return None
+        weights, moments, peft_state, config = self._whole(everyone)
+        group = {k: v for k, v in optimizer.state_dict()["param_groups"][0].items() if k != "params"}
+        names = list(weights)
+        optim = {
+            "state": {i: moments[n] for i, n in enumerate(names) if n in moments},
+            "param_groups": [group | {"params": list(range(len(names)))}],
+        }
+        state = {"step": step, "trainable": weights, "optimizer": optim, "scheduler": scheduler.state_dict(),
+                 "rng": rngs, **extra, "layout": self.layout.to_dict()}  # fmt: skip
+        return checkpoint.write(run_dir, step, state, self.job.checkpoint.keep_last,
+                                self._adapter_writer(peft_state, config))  # fmt: skip
+
+    def restore(self, run_dir: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> checkpoint.Restored | None:
+        """The newest checkpoint, whatever layout wrote it: this stage takes its layers' weights and moments."""
+        fetched = checkpoint.fetch(run_dir, self.info.rank, self.info.main_rank)
+        if fetched is None:
+            return None
+        path, state = fetched
+        names = list(state["trainable"])
+        saved = state["optimizer"]
+        with torch.no_grad():
+            for name, param in self.named:
+                param.copy_(state["trainable"][name].to(param.device))
+        index = {name: i for i, name in enumerate(names)}
+        mine = {j: saved["state"][index[n]] for j, (n, _) in enumerate(self.named) if index[n] in saved["state"]}
+        group = {k: v for k, v in saved["param_groups"][0].items() if k != "params"}
+        optimizer.load_state_dict({"state": mine, "param_groups": [group | {"params": list(range(len(self.named)))}]})
+        scheduler.load_state_dict(state["scheduler"])
+        checkpoint.restore_rng(state, self.info.rank)
+        return checkpoint.restored(path, state)
+
+    def save_adapter(self, folder: Path) -> None:
+        everyone = self._gather(None)
+        if self.info.is_main and everyone is not None:
+            _, _, peft_state, config = self._whole(everyone)
+            self._adapter_writer(peft_state, config)(folder)
+
+    def answers(self, records: list[Record]) -> tuple[list[str], list[str]] | None:
+        return None  # greedy generation through the stages is not built yet: the held-out loss is measured
+
+
+Engine = DataParallel | Pipelined
+
+
+def build(job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout, run_dir: Path) -> Engine:
+    if layout.pipelined:
+        log.info("layout (%s): %s", layout.reason, layout.describe())
+        return Pipelined(job, info, code_dir, layout, run_dir)
+    return DataParallel(job, info, code_dir, layout)
