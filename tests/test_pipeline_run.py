@@ -15,7 +15,7 @@ from train.distributed import RankInfo
 from train.metrics import read_metrics
 from train.model import load_base_hf, load_tokenizer
 
-EVAL = {"source": "data/sample/eval.jsonl", "every": 3, "samples": 0}
+EVAL = {"source": "data/sample/eval.jsonl", "every": 3, "samples": 2, "max_new_tokens": 8}
 
 
 def _job(path: Path, stages: int) -> Path:
@@ -30,17 +30,21 @@ def _job(path: Path, stages: int) -> Path:
     )
 
 
-def _whole_model_loss(job_file: Path, adapter: Path) -> float:
-    """The held-out loss of the whole base (one process) with the run's adapter loaded by peft."""
+def _whole_model(job_file: Path, adapter: Path) -> tuple[float, list[str], list[str]]:
+    """The whole base in one process with the run's adapter loaded by peft: held-out loss, answers before/after."""
     from peft import PeftModel
 
     job = load_job(job_file)
     base = load_base_hf(job.model, REPO, torch.device("cpu"), job.train.seed)
     model = PeftModel.from_pretrained(base, str(adapter))
-    held_out = evaluate.load(job, load_tokenizer(job.model, REPO), REPO)
-    assert held_out is not None
+    tokenizer = load_tokenizer(job.model, REPO)
+    held_out = evaluate.load(job, tokenizer, REPO)
+    assert held_out is not None and job.eval is not None
     value, _ = evaluate.loss(model, held_out, RankInfo(0, 0, 1, "test", torch.device("cpu")), 8)
-    return value
+    asked = held_out.records[: job.eval.samples]
+    with evaluate.base_model(model):
+        before = evaluate.answers(model, tokenizer, job, asked, torch.device("cpu"))
+    return value, before, evaluate.answers(model, tokenizer, job, asked, torch.device("cpu"))
 
 
 def test_three_stages_train_resume_as_two_and_leave_one_adapter_for_the_whole_base(
@@ -58,7 +62,12 @@ def test_three_stages_train_resume_as_two_and_leave_one_adapter_for_the_whole_ba
 
     # The stages' LoRA weights, put together, are one adapter for the whole base: peft loads it onto the
     # base in one process, and that model has the held-out loss the stages measured.
-    assert abs(_whole_model_loss(job3, run / "adapter") - status["eval_loss_after"]) < 1e-4
+    # The answers the stages generated together are the whole model's (transformers' generate, greedy).
+    loss, before, after = _whole_model(job3, run / "adapter")
+    assert abs(loss - status["eval_loss_after"]) < 1e-4
+    samples = json.loads((run / "samples.json").read_text())
+    assert [s["before"] for s in samples] == before
+    assert [s["after"] for s in samples] == after
 
     # Resume from step 3 with two stages instead of three: the checkpoint is cut anew, and with dropout off
     # the steps after it match the uninterrupted run's.

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from train import checkpoint, distributed, evaluate, pipeline, stagemodel
 from train.balance import Balancer
 from train.config import JobConfig
+from train.data import prompt_text
 from train.distributed import RankInfo
 from train.evaluate import HeldOut
 from train.model import DTYPES, load_model
@@ -82,7 +83,9 @@ class DataParallel:
             self.model.save_pretrained(str(folder), save_embedding_layers=False)
 
     def answers(self, records: list[Record]) -> tuple[list[str], list[str]] | None:
-        """Greedy answers of the base and of the fine-tuned model (main rank only)."""
+        """Greedy answers of the base and of the fine-tuned model (the main rank's; None on the others)."""
+        if not self.info.is_main:
+            return None
         with evaluate.base_model(self.model):
             before = evaluate.answers(self.model, self.tokenizer, self.job, records, self.info.device)
         return before, evaluate.answers(self.model, self.tokenizer, self.job, records, self.info.device)
@@ -263,13 +266,41 @@ class Pipelined:
         return checkpoint.restored(path, state)
 
     def save_adapter(self, folder: Path) -> None:
+        sent = self.runner.step_bytes
+        per_step = sum(sent) / max(1, len(sent)) / 1e6
+        log.info("per step this stage sent %.2f MB of hidden states and gradients, all-reduced %.2f MB of LoRA "
+                 "gradients", per_step, self.sync.bytes_per_step / 1e6)  # fmt: skip
         everyone = self._gather(None)
         if self.info.is_main and everyone is not None:
             _, _, peft_state, config = self._whole(everyone)
             self._adapter_writer(peft_state, config)(folder)
 
     def answers(self, records: list[Record]) -> tuple[list[str], list[str]] | None:
-        return None  # greedy generation through the stages is not built yet: the held-out loss is measured
+        """Collective: replica 0 answers greedily through its stages, base then fine-tuned; every rank gets them."""
+        replica = self.layout.replicas[0]
+        result: list[Any] = [None]
+        if self.where.replica == 0:
+            was_training = self.model.training
+            self.model.eval()
+            assert self.job.eval is not None
+            config = self.model.get_base_model().generation_config
+            stops = {self.tokenizer.eos_token_id, *([config.eos_token_id] if isinstance(config.eos_token_id, int)
+                                                     else config.eos_token_id or [])}  # fmt: skip
+            texts: list[list[str]] = [[], []]
+            for column, adapter in enumerate((False, True)):
+                with contextlib.nullcontext() if adapter else evaluate.base_model(self.model):
+                    for record in records:
+                        prompt = prompt_text(record.fields, self.job.data, self.tokenizer)
+                        ids = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+                        new = self.runner.generate(ids.to(self.info.device), self.job.eval.max_new_tokens,
+                                                   {s for s in stops if s is not None}, replica.ranks)  # fmt: skip
+                        texts[column].append(self.tokenizer.decode(new, skip_special_tokens=True).strip())
+            self.model.train(was_training)
+            result = [(texts[0], texts[1])]
+        distributed.wait_for_all("replica 0 has answered the samples", self.job.distributed.startup_timeout_s)
+        if dist.is_initialized():
+            dist.broadcast_object_list(result, src=replica.ranks[-1])
+        return result[0]  # type: ignore[no-any-return]
 
 
 Engine = DataParallel | Pipelined

@@ -163,21 +163,18 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             raise preempt.stop(run_dir, info.is_main, done)
 
     run.save_adapter(run_dir / "adapter")  # with stages: every stage's LoRA weights put together on the main rank
+    asked = held_out.records[: job.eval.samples] if held_out is not None and job.eval is not None else []
+    answered = run.answers(asked) if asked else None  # through the stages with a pipeline, on the main rank without
     if writer is not None:
         writer.close()
         tokenizer.save_pretrained(str(run_dir / "adapter"))
         checkpoint.name_base(run_dir / "adapter", job.model.source)
-        if held_out is not None and job.eval is not None and job.eval.samples:
-            asked = held_out.records[: job.eval.samples]
-            answered = run.answers(asked)
-            if answered is None:
-                log.info("answers before/after: not written with pipeline stages (the held-out loss is)")
-            else:
-                items = [
-                    {"question": evaluate.question(r), "reference": evaluate.reference(r), "before": b, "after": a}
-                    for r, b, a in zip(asked, *answered, strict=True)
-                ]
-                log.info("answers before/after in %s", write_samples(run_dir, job.model.source, items))
+        if answered is not None:
+            items = [
+                {"question": evaluate.question(r), "reference": evaluate.reference(r), "before": b, "after": a}
+                for r, b, a in zip(asked, *answered, strict=True)
+            ]
+            log.info("answers before/after in %s", write_samples(run_dir, job.model.source, items))
         plot_loss(run_dir)
         write_status(run_dir, state="finished", step=job.train.max_steps, error=None, cause=None)
         log.info("finished: adapter in %s", run_dir / "adapter")

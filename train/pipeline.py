@@ -47,6 +47,8 @@ class StageRunner:
     dtype: torch.dtype
     device: torch.device
     sends: list[Any] = field(default_factory=list)
+    sent_bytes: int = 0  # hidden states and their gradients this stage has sent
+    step_bytes: list[int] = field(default_factory=list)  # of that, what each training step sent
 
     def _recv(self, shape: tuple[int, ...], src: int) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -56,6 +58,7 @@ class StageRunner:
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         payload = tensor.detach().to(self.dtype).contiguous()
         self.sends.append((dist.isend(payload, dst=dst), payload))  # the payload lives until the send is done
+        self.sent_bytes += payload.numel() * payload.element_size()
 
     def _finish_sends(self) -> None:
         for work, _ in self.sends:
@@ -91,6 +94,7 @@ class StageRunner:
 
     def step(self, micro_batches: Sequence[dict[str, torch.Tensor]], clock: StepClock) -> tuple[float, int]:
         """Accumulate this stage's token-weighted gradients of the step; return (global mean loss, T)."""
+        before = self.sent_bytes
         own = sum(label_tokens(mb) for mb in micro_batches)
         total = exchange(own if self.where.last else 0, clock, self.device)
         scale = 1.0 / max(total, 1)
@@ -121,6 +125,7 @@ class StageRunner:
         while pending:
             backward()
         self._finish_sends()
+        self.step_bytes.append(self.sent_bytes - before)
         clock.end()
         clock.last_tokens = own
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -138,6 +143,35 @@ class StageRunner:
                 tokens += label_tokens(batch)
         self._finish_sends()
         return summed, tokens
+
+    @torch.no_grad()
+    def generate(
+        self, prompt: torch.Tensor, max_new_tokens: int, stop_ids: set[int], group: Sequence[int]
+    ) -> list[int]:
+        """Greedy continuation of ``prompt`` (1 x n token ids, known to every stage) through the stages.
+
+        Each new token is a forward of the whole sequence through every stage (no KV cache: samples are few and
+        short); the last stage picks the token and sends it, with a stop flag, to every other stage of ``group``.
+        """
+        ids = prompt
+        new: list[int] = []
+        for _ in range(max_new_tokens):
+            _, out = self.forward({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+            self._finish_sends()
+            message = torch.zeros(2, dtype=torch.long)
+            if self.where.last:
+                token = int(out[0, -1].argmax())
+                message[0], message[1] = token, int(token in stop_ids)
+                for rank in group[:-1]:
+                    dist.send(message, dst=rank)
+            else:
+                dist.recv(message, src=group[-1])
+            token, stop = int(message[0]), bool(message[1])
+            if stop:
+                break
+            new.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
+        return new
 
 
 class GradSync:
