@@ -13,7 +13,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: role-docs export train preflight doctor status logs stop validate test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit
+.PHONY: role-docs export train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -31,6 +31,7 @@ help:
 	@echo "make dashboard [INVENTORY=...]   live view of every node's exporter (GPUs, job, loss, per-rank balance); q quits"
 	@echo "make prometheus-config [INVENTORY=...]   runs/monitoring/prometheus.yml: a Prometheus scrape config of every exporter"
 	@echo "make validate [JOB=...] [INVENTORY=...]   check a job file (and with INVENTORY, its hosts and ranks) without starting anything"
+	@echo "make plan [JOB=...] [INVENTORY=...] [OFFLINE=1]   which host holds which layers: data parallel or pipeline stages, with memory estimates"
 	@echo "make slurm-script [JOB=...] [NODES=2] [RESUME=auto] [SLURM_ARGS=...]   an sbatch script for the job (runs/<job-id>/slurm/)"
 	@echo "make k8s-manifest [JOB=...] [NODES=2|gpu_12gb=1,gpu_8gb=2] [K8S_ARGS=...]   a Kubernetes manifest: indexed Jobs + headless Service"
 	@echo "make lint            ansible-lint (production profile) and ruff"
@@ -76,6 +77,10 @@ export: venv
 
 validate: venv
 	$(UGRO) validate --job $(JOB) $(if $(filter-out file,$(origin INVENTORY)),--inventory $(INVENTORY))
+
+# Which host holds which layers (docs/pipeline.md); OFFLINE=1: from the inventory alone, without the hosts.
+plan: venv
+	$(UGRO) plan --job $(JOB) --inventory $(INVENTORY) $(if $(OFFLINE),--offline)
 
 # The same job under a batch scheduler (docs/schedulers.md): an sbatch script in runs/<job-id>/slurm/
 # (submit it with sbatch), or a Kubernetes manifest in runs/<job-id>/k8s/. NODES: SLURM nodes, or pods (a

@@ -62,7 +62,7 @@ def test_the_sbatch_script_asks_for_nodes_gpus_requeue_and_the_warning(tmp_path:
     # Every profile is written where the node script picks it, and loads with the trainer's loader.
     assert sorted(p.stem for p in (done.run_dir / "slurm" / "profiles").glob("*.yaml")) == sorted(done.profiles)
     assert load_profile(done.run_dir / "slurm" / "profiles" / "gpu_8gb.yaml", "n1") == {
-        "micro_batch_size": 2, "gradient_checkpointing": True}  # fmt: skip
+        "micro_batch_size": 2, "gradient_checkpointing": True, "memory_gib": 7.2}  # fmt: skip
     assert load_job(done.run_dir / "slurm" / "job.yaml").name == "test"
 
     cpu = _export(tmp_path, slurm.SlurmOptions(nodes=2, cpu_procs_per_node=2))

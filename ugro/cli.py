@@ -1,6 +1,7 @@
 """The ``ugro`` command, which the Makefile's targets call: it parses the options and prints; the work is elsewhere.
 
 train, validate                    a job on the inventory's hosts (ugro/run/, ugro/checks/jobcheck.py)
+plan                               which rank holds which layers: data parallel or pipeline stages (ugro/checks/plan.py)
 preflight, doctor                  checks before a launch and after a failure (ugro/checks/)
 status, logs, stop                 a running or finished job on its hosts (playbooks/)
 export                             the run's adapter merged into its base model (ugro/model/merge.py)
@@ -26,11 +27,13 @@ from rich.table import Table
 
 from train.config import ConfigError, JobConfig, load_job
 from train.metrics import read_eval, read_metrics, read_samples
+from train.stageplan import PlanError
 from ugro.checks import doctor, jobcheck, ranks
+from ugro.checks import plan as stageplan
 from ugro.checks import preflight as preflight_run
 from ugro.checks.preflight_checks import Thresholds, lock_cuda
 from ugro.hosts import codesync
-from ugro.hosts.inventory import InventoryError, read_cluster
+from ugro.hosts.inventory import InventoryError, read_cluster, read_hostvars
 from ugro.hosts.playbook import REPO, RUNS_ENV, PlaybookRun, run_playbook, runs_dir
 from ugro.run.supervisor import LaunchError, Supervisor
 from ugro.schedulers import render as schedulers
@@ -167,6 +170,56 @@ def validate(
         planned = _fast_preflight(inventory, job, job_file)
         console.print(f"{inventory}: ok, {ranks.describe(planned)} for a global batch of "
                       f"{job.train.global_batch_size}", highlight=False)  # fmt: skip
+
+
+@app.command(name="plan")
+def plan_cmd(
+    job_file: JobOpt = Path("jobs/default.yaml"),
+    inventory: InventoryOpt = Path("inventory/local.yml"),
+    offline: Annotated[
+        bool, typer.Option("--offline", help="from the inventory alone (profiles' memory_gib), without the hosts")
+    ] = False,
+) -> None:
+    """Show which rank holds which layers: data parallel where the model fits every rank, else pipeline stages
+    sized to each host's memory and speed; exit 2 with the arithmetic when the model fits nowhere."""
+    job = _load(job_file)
+    if not inventory.is_file():
+        raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
+    try:
+        hosts, hostvars = read_cluster(inventory).hosts, read_hostvars(inventory)
+    except InventoryError as exc:
+        raise _fail(str(exc)) from None
+    facts: dict[str, dict[str, object]] | None = None
+    found_ranks: dict[str, int] | None = None
+    if not offline:
+        try:
+            outcome = preflight_run.preflight(inventory, runs_dir() / ".control" / "preflight", Thresholds())
+            facts, found_ranks = outcome.facts, outcome.ranks
+        except preflight_run.PreflightError as exc:
+            console.print(f"[yellow]the hosts did not answer ({exc}): planning from the inventory alone[/]",
+                          highlight=False)  # fmt: skip
+        if facts is not None and set(facts) != set(hosts):
+            missing = ", ".join(h for h in hosts if h not in facts)
+            console.print(f"[yellow]no facts from {missing}: planning from the inventory alone[/]", highlight=False)
+            facts, found_ranks = None, None
+    try:
+        memory = stageplan.hosts_memory(job, REPO, hosts, hostvars, facts, found_ranks)
+        for host in memory:
+            console.print(f"[dim]{host.line(job.data.seq_len)}[/]", highlight=False)
+        layout = stageplan.plan_cluster(job, REPO, memory)
+    except PlanError as exc:
+        raise _fail(f"{job_file}: {exc}") from None
+    table = Table(title=f"plan of {job_file} on {inventory}{' (offline)' if facts is None else ''}",
+                  title_justify="left")  # fmt: skip
+    for column in ("host", "replica", "stage", "layers", "peak / memory", "busy"):
+        table.add_column(column)
+    for row in stageplan.rows(layout):
+        table.add_row(*row)
+    console.print(table)
+    speed = sum(r.speed for r in layout.replicas)
+    bubble = " (busy: the stage's share of the step time; the rest waits in the pipeline's bubble)"
+    console.print(f"{layout.reason}; throughput ~{speed:.2f} x one rank holding the whole model"
+                  f"{bubble if layout.pipelined else ''}", highlight=False)  # fmt: skip
 
 
 def _launch_failed(run: PlaybookRun, what: str) -> typer.Exit:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 GROUP = "ugro_cluster"
 
@@ -34,7 +35,7 @@ def _members(groups: dict[str, dict[str, list[str]]], name: str) -> list[str]:
     return found
 
 
-def read_cluster(inventory: Path) -> Cluster:
+def _listing(inventory: Path) -> dict[str, Any]:
     binary = Path(sys.executable).parent / "ansible-inventory"
     out = subprocess.run(
         [str(binary), "-i", str(inventory), "--list"], capture_output=True, text=True, timeout=120, check=False
@@ -42,7 +43,19 @@ def read_cluster(inventory: Path) -> Cluster:
     if out.returncode != 0:
         first = (out.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise InventoryError(f"{inventory}: ansible-inventory cannot read it: {first}")
-    data = json.loads(out.stdout)
+    data: dict[str, Any] = json.loads(out.stdout)
+    return data
+
+
+def read_hostvars(inventory: Path) -> dict[str, dict[str, Any]]:
+    """Every host's variables as the inventory sets them (group_vars and host_vars merged, not templated; role
+    defaults are not among them)."""
+    hostvars: dict[str, dict[str, Any]] = _listing(inventory).get("_meta", {}).get("hostvars", {})
+    return hostvars
+
+
+def read_cluster(inventory: Path) -> Cluster:
+    data = _listing(inventory)
     hostvars: dict[str, dict[str, object]] = data.get("_meta", {}).get("hostvars", {})
     hosts = _members(data, GROUP)
     if not hosts:

@@ -18,7 +18,7 @@ testinfra_hosts = ["ansible://ugro_cluster"]
 PROFILE = "/etc/ugro/profile.yaml"
 EXPECTED = {
     "tb1": {"micro_batch_size": 8, "gradient_checkpointing": False},
-    "tb2": {"micro_batch_size": 2, "gradient_checkpointing": True},
+    "tb2": {"micro_batch_size": 2, "gradient_checkpointing": True, "memory_gib": 7.2},
 }
 
 

@@ -1,0 +1,188 @@
+"""The stage planner (train/stageplan.py) and `ugro plan` (docs/pipeline.md, "The plan"): which rank holds which
+layers, from each rank's memory and speed, with the arithmetic when nothing fits. No torch, no hosts."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import cli
+
+from train.config import JobConfig, StagesConfig, load_job
+from train.stageplan import Member, ModelShape, PlanError, estimate, plan
+from train.topology import Layout
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT = load_job(REPO / "jobs" / "default.yaml")
+SMOLLM = ModelShape.from_dir(REPO / "models" / "smollm2-135m-instruct")
+QWEN14 = REPO / "jobs" / "qwen2.5-14b-qlora.example.yaml"
+LLAMA70 = REPO / "jobs" / "llama-3-70b-qlora.example.yaml"
+REFERENCE = "inventory/reference-cluster.example.yml"
+
+
+def _with(job: JobConfig, **update: Any) -> JobConfig:
+    return job.model_copy(update=update)
+
+
+def _cpu(*memories: float) -> list[Member]:
+    return [Member(f"h{i}", m, device="cpu") for i, m in enumerate(memories)]
+
+
+def _by_host(layout: Layout) -> dict[str, tuple[int, int, int, int]]:
+    """host -> (stages of its replica, its stage, first layer, end): what must not depend on the members' order."""
+    return {s.host: (len(r.stages), i, s.start, s.end) for r in layout.replicas for i, s in enumerate(r.stages)}
+
+
+def _reference(shape: ModelShape) -> list[Member]:
+    """The reference cluster's ranks with their profiles (roles/memory_profile, inventory/host_vars)."""
+    local = DEFAULT.rank_local.model_copy(update={"gradient_checkpointing": True})
+    return [
+        Member("master", 11.0, rank_local=local.model_copy(update={"micro_batch_size": 4})),
+        Member("node4070", 7.2, rank_local=local.model_copy(update={"micro_batch_size": 2})),
+        Member("node3070", 7.2, rank_local=local.model_copy(update={"micro_batch_size": 1})),
+    ]
+
+
+def test_the_model_shape_comes_from_config_json() -> None:
+    assert (SMOLLM.model_type, SMOLLM.layers, SMOLLM.hidden, SMOLLM.vocab) == ("llama", 30, 576, 49152)
+    assert SMOLLM.tie_word_embeddings and SMOLLM.kv_heads == 3 and SMOLLM.head_dim == 64
+    qwen = ModelShape.from_dir(REPO / "models" / "configs" / "qwen2.5-14b")
+    assert (qwen.layers, qwen.hidden, qwen.intermediate, qwen.heads, qwen.kv_heads, qwen.vocab) == (
+        48, 5120, 13824, 40, 8, 152064)  # fmt: skip
+    assert not qwen.tie_word_embeddings and qwen.attention_bias
+    with pytest.raises(PlanError, match="no key 'hidden_size'"):
+        ModelShape.from_config({"model_type": "llama"})
+
+
+def test_the_estimate_follows_quantization_checkpointing_and_the_stage_position() -> None:
+    whole = estimate(SMOLLM, DEFAULT, 30, True, True, 1, "cpu")
+    assert whole.total == pytest.approx(
+        whole.weights + whole.embedding + whole.lora + whole.activations + whole.logits + whole.overhead
+    )
+    four_bit = estimate(SMOLLM, _with(DEFAULT, model=DEFAULT.model.model_copy(update={"quantization": "4bit"})),
+                        30, True, True, 1, "cuda")  # fmt: skip
+    assert four_bit.weights < whole.weights / 6  # NF4 against fp32
+    local = DEFAULT.rank_local.model_copy(update={"gradient_checkpointing": True})
+    assert estimate(SMOLLM, _with(DEFAULT, rank_local=local), 30, True, True, 1, "cpu").activations < (
+        whole.activations / 5
+    )
+    middle = estimate(SMOLLM, DEFAULT, 10, False, False, 2, "cpu")
+    assert middle.embedding == 0 and middle.logits == 0  # a middle stage: a one-row stub, no head
+    first = estimate(SMOLLM, DEFAULT, 10, True, False, 2, "cpu")
+    assert first.embedding > 0 and first.logits == 0
+    # Activations grow with the micro-batches a 1F1B stage keeps in flight.
+    assert estimate(SMOLLM, DEFAULT, 10, False, False, 3, "cpu").activations > middle.activations
+    qwen = ModelShape.from_dir(REPO / "models" / "configs" / "qwen2.5-14b")
+    job = load_job(QWEN14)
+    untied_last = estimate(qwen, job, 10, False, True, 1, "cuda")
+    assert untied_last.embedding == pytest.approx(2 * estimate(qwen, job, 10, True, False, 1, "cuda").embedding)
+
+
+def test_the_default_job_on_roomy_ranks_is_data_parallel() -> None:
+    layout = plan(DEFAULT, SMOLLM, _cpu(8, 8))
+    assert not layout.pipelined and layout.world_size == 2
+    assert all(s.start == 0 and s.end == 30 and 0 < s.peak_gib < 8 for r in layout.replicas for s in r.stages)
+    assert "data parallel" in layout.reason
+
+
+def test_capped_memories_give_stages_whose_estimates_fit() -> None:
+    members = _cpu(2.2, 1.8, 1.8)
+    layout = plan(DEFAULT, SMOLLM, members)
+    assert layout.pipelined
+    # Each pipeline takes an equal share of the global batch, in micro-batches of the smallest cap.
+    steps = math.ceil(DEFAULT.train.global_batch_size / len(layout.replicas) / DEFAULT.micro_batch_cap)
+    for replica in layout.replicas:
+        count = len(replica.stages)
+        for index, stage in enumerate(replica.stages):
+            flight = min(count - index, steps)  # a 1F1B stage keeps this many micro-batches in flight
+            again = estimate(SMOLLM, DEFAULT, stage.end - stage.start, index == 0, index == count - 1, flight,
+                             "cpu").total  # fmt: skip
+            assert stage.peak_gib == pytest.approx(again, abs=0.01)
+            assert stage.peak_gib <= stage.memory_gib == members[stage.rank].memory_gib
+            assert 0 < stage.time_share <= 1
+
+
+def test_the_layout_depends_on_the_hosts_not_on_the_order_of_the_members() -> None:
+    members = [Member(name, memory, speed=speed, device="cpu") for name, memory, speed in
+               [("a", 2.2, 1.0), ("b", 1.8, 1.0), ("c", 1.8, 0.5), ("d", 3.2, 1.0), ("e", 1.7, 1.0)]]  # fmt: skip
+    expected = _by_host(plan(DEFAULT, SMOLLM, members))
+    shuffled = list(members)
+    for seed in range(4):
+        random.Random(seed).shuffle(shuffled)
+        layout = plan(DEFAULT, SMOLLM, shuffled)
+        assert _by_host(layout) == expected
+        assert all(shuffled[s.rank].host == s.host for r in layout.replicas for s in r.stages)
+
+
+def test_a_faster_rank_gets_more_layers() -> None:
+    job = _with(DEFAULT, balance={"fast": 2.0, "slow": 1.0}, parallel=StagesConfig(stages=2))
+    layout = plan(job, SMOLLM, [Member("slow", 4, device="cpu"), Member("fast", 4, device="cpu")])
+    layers = {s.host: s.end - s.start for s in layout.replicas[0].stages}
+    assert layers["fast"] > layers["slow"]
+
+
+def test_fixed_layer_counts_are_kept_in_stage_order() -> None:
+    job = _with(DEFAULT, parallel=StagesConfig(stages=[14, 16]))
+    layout = plan(job, SMOLLM, _cpu(4, 4, 4, 4))
+    assert len(layout.replicas) == 2
+    assert all([s.end - s.start for s in r.stages] == [14, 16] for r in layout.replicas)
+    assert layout.reason == "parallel.stages: [14, 16]"
+
+
+def test_bad_layer_counts_name_both_numbers() -> None:
+    job = _with(DEFAULT, parallel=StagesConfig(stages=[14, 15]))
+    with pytest.raises(PlanError, match=r"\[14, 15\] adds up to 29 layers.* has 30 decoder layers"):
+        plan(job, SMOLLM, _cpu(4, 4))
+
+
+def test_a_world_not_divisible_by_the_stages_names_both_numbers() -> None:
+    job = _with(DEFAULT, parallel=StagesConfig(stages=2))
+    with pytest.raises(PlanError, match=r"pipelines of 2 stages, but there are 3 ranks .*multiple of 2"):
+        plan(job, SMOLLM, _cpu(4, 4, 4))
+
+
+def test_only_llama_family_models_are_cut_into_stages() -> None:
+    gpt2 = ModelShape(**{**SMOLLM.__dict__, "model_type": "gpt2"})
+    assert not plan(DEFAULT, gpt2, _cpu(8, 8)).pipelined  # data parallel needs no cut
+    with pytest.raises(PlanError, match=r"gpt2.*parallel: data"):
+        plan(DEFAULT, gpt2, _cpu(1.8, 1.8))
+
+
+def test_qwen_14b_in_4bit_fits_the_reference_cluster_only_as_a_pipeline() -> None:
+    job = load_job(QWEN14)
+    shape = ModelShape.from_dir(REPO / "models" / "configs" / "qwen2.5-14b")
+    members = _reference(shape)
+    with pytest.raises(PlanError, match=r"parallel: data.*needs ~\d+\.\d GiB on every rank.* has 7\.2 GiB"):
+        plan(_with(job, parallel="data"), shape, members)
+    layout = plan(job, shape, members)
+    assert [len(r.stages) for r in layout.replicas] == [3]
+    assert {s.host for s in layout.replicas[0].stages} == {"master", "node4070", "node3070"}
+    assert all(s.peak_gib <= s.memory_gib for s in layout.replicas[0].stages)
+    assert "does not fit" in layout.reason
+
+
+def test_llama_70b_is_refused_with_the_arithmetic() -> None:
+    job = load_job(LLAMA70)
+    shape = ModelShape.from_dir(REPO / "models" / "configs" / "llama-3-70b")
+    with pytest.raises(PlanError) as refused:
+        plan(job, shape, _reference(shape))
+    message = str(refused.value)
+    assert "llama-3-70b (80 layers, 4-bit) needs ~" in message
+    for part in ("weights", "LoRA/optimizer", "activations", "logits", "3 x", "11.0 + 7.2 + 7.2 = 25.4 GiB"):
+        assert part in message
+
+
+def test_make_plan_offline_shows_the_reference_clusters_stages() -> None:
+    result = cli("plan", "--job", str(QWEN14), "--inventory", REFERENCE, "--offline", timeout=120,
+                 env={"COLUMNS": "300"})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for text in ("master", "node4070", "node3070", "1 of 3", "2 of 3", "3 of 3", "11.0 GiB", "7.2 GiB", "offline"):
+        assert text in out, out
+    refused = cli("plan", "--job", str(LLAMA70), "--inventory", REFERENCE, "--offline", timeout=120,
+                  env={"COLUMNS": "300"})  # fmt: skip
+    assert refused.returncode == 2
+    assert "needs ~" in refused.stderr and "25.4 GiB" in refused.stderr
