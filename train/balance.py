@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from train.config import ConfigError, JobConfig
 from train.distributed import RankInfo
-from train.planner import Plan, Telemetry, initial_plan, make_plan
+from train.planner import Plan, Telemetry, initial_plan, make_plan, split
 from train.step import StepClock
+from train.topology import Layout
 
 log = logging.getLogger(__name__)
 
@@ -43,28 +44,65 @@ def _gather_caps(info: RankInfo, cap: int) -> tuple[int, ...]:
 
 
 class Balancer:
-    def __init__(self, job: JobConfig, info: RankInfo, saved: dict[str, Any] | None) -> None:
-        self.rank = info.rank
-        self.clock = StepClock(device_s_per_token=_emulated_s_per_token(job, info))
-        caps = _gather_caps(info, job.micro_batch_cap)
-        self.plan = self._start(job, info, caps, saved)
+    """Shares of each global batch per planning unit: per rank in data parallel, per replica with pipelines.
+
+    A replica's stages all take the replica's share; its step time is its slowest stage's (they wait on each
+    other), so measured speeds re-plan replicas exactly as they re-plan ranks.
+    """
+
+    def __init__(
+        self, job: JobConfig, info: RankInfo, saved: dict[str, Any] | None, layout: Layout | None = None
+    ) -> None:
+        rank_caps = _gather_caps(info, job.micro_batch_cap)
+        emulated = _emulated_s_per_token(job, info)
+        if layout is None or not layout.pipelined:
+            self.groups: tuple[tuple[int, ...], ...] = tuple((r,) for r in range(info.world_size))
+            self.rank, caps, speeds = info.rank, rank_caps, None
+        else:
+            self.groups = tuple(r.ranks for r in layout.replicas)
+            self.rank = layout.where(info.rank).replica
+            stage = layout.stage(info.rank)
+            emulated *= (stage.end - stage.start) / layout.layers  # an emulated stage computes its layers only
+            speeds = [r.speed for r in layout.replicas]
+            shares = split(job.train.global_batch_size, speeds)
+            # A pipeline wants at least as many micro-batches as stages, or its stages wait for each other.
+            caps = tuple(
+                min(min(rank_caps[r] for r in group), max(1, share // len(group)))
+                for group, share in zip(self.groups, shares, strict=True)
+            )
+        self.clock = StepClock(device_s_per_token=emulated)
+        self.plan = self._start(job, info, caps, saved, speeds)
         self._ran_with = self.plan  # the plan of the step whose times arrive next
-        auto = job.balance == "auto" and info.world_size > 1
+        auto = job.balance == "auto" and len(self.groups) > 1
         self.telemetry = (
-            Telemetry(info.world_size, job.distributed.calibration_steps, job.distributed.replan_threshold)
+            Telemetry(len(self.groups), job.distributed.calibration_steps, job.distributed.replan_threshold)
             if auto
             else None
         )
         log.info("batch plan (global batch %d) %s", job.train.global_batch_size, self.plan.describe())
 
-    @staticmethod
-    def _start(job: JobConfig, info: RankInfo, caps: tuple[int, ...], saved: dict[str, Any] | None) -> Plan:
+    def _start(
+        self,
+        job: JobConfig,
+        info: RankInfo,
+        caps: tuple[int, ...],
+        saved: dict[str, Any] | None,
+        speeds: list[float] | None,
+    ) -> Plan:
         global_batch = job.train.global_batch_size
         if saved is not None and job.balance == "auto":
             old = Plan.from_dict(saved)
-            if old.world_size == info.world_size:
+            if old.world_size == len(caps):
                 return make_plan(global_batch, old.speeds, caps, old.source)
-            log.info("the checkpoint's plan is for %d ranks, this run has %d: planning anew", old.world_size, len(caps))
+            log.info(
+                "the checkpoint's plan is for %d %s, this run has %d: planning anew",
+                old.world_size,
+                "ranks" if speeds is None else "replicas",
+                len(caps),
+            )
+        if speeds is not None:  # replicas: equal, or the planner's replica speeds (host weights included)
+            equal = job.balance == "equal"
+            return make_plan(global_batch, [1.0] * len(caps) if equal else speeds, caps, "equal" if equal else "layout")
         try:
             return initial_plan(job.balance, global_batch, info.hosts, caps)
         except ValueError as exc:
@@ -72,6 +110,13 @@ class Balancer:
 
     def micro_sizes(self) -> list[int]:
         return self.plan.micro_sizes(self.rank)
+
+    def rank_shares(self) -> tuple[int, ...]:
+        """Every rank's share this step (a stage's is its replica's)."""
+        by_rank: dict[int, int] = {}
+        for group, share in zip(self.groups, self.plan.shares, strict=True):
+            by_rank |= dict.fromkeys(group, share)
+        return tuple(by_rank[r] for r in sorted(by_rank))
 
     def after_step(self, warming_up: bool) -> Plan | None:
         """Take in the step times that arrived with this step; a new plan for the next step, or None.
@@ -81,7 +126,8 @@ class Balancer:
         ran_with, self._ran_with = self._ran_with, self.plan
         if self.telemetry is None or warming_up or not any(self.clock.gathered):
             return None
-        self.telemetry.record(self.clock.gathered, ran_with)
+        times = [max(self.clock.gathered[r] for r in group) for group in self.groups]
+        self.telemetry.record(times, ran_with)
         proposal = self.telemetry.proposal(self.plan)
         if proposal is None:
             return None

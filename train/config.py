@@ -236,8 +236,9 @@ class StagesConfig(_Strict):
 
     stages: Annotated[int, Field(gt=0)] | Annotated[list[Annotated[int, Field(gt=0)]], Field(min_length=1)] = Field(
         description="Stages per pipeline: a number (the planner sizes each stage's layers by its host's memory and "
-        "speed) or the decoder layers of each stage in rank order, e.g. [14, 16]. The ranks form as many pipelines "
-        "of this many stages as they fill; every rank must belong to one."
+        "speed) or the decoder layers of each stage, first to last, e.g. [14, 16] (the planner picks which host "
+        "takes which stage). The ranks form as many pipelines of this many stages as they fill; every rank must "
+        "belong to one."
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,8 @@ from train.data import prompt_text
 from train.distributed import RankInfo
 from train.evaluate import HeldOut
 from train.model import DTYPES, load_model
-from train.planner import Plan, make_plan, split
 from train.records import Record
-from train.step import StepClock, backward, clip
+from train.step import backward, clip
 from train.topology import Layout
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class DataParallel:
         return f"data parallel, grad_compression={compress}"
 
     def rank_shares(self) -> tuple[int, ...]:
-        return self.balancer.plan.shares
+        return self.balancer.rank_shares()
 
     def train(self) -> None:
         self.ddp.train()
@@ -91,19 +91,6 @@ class DataParallel:
         return before, evaluate.answers(self.model, self.tokenizer, self.job, records, self.info.device)
 
 
-class Fixed:
-    """The replicas' shares of each global batch in a pipelined layout: by the plan's speeds, for the whole run."""
-
-    def __init__(self, plan: Plan, replica: int) -> None:
-        self.plan, self.replica, self.clock = plan, replica, StepClock()
-
-    def micro_sizes(self) -> list[int]:
-        return self.plan.micro_sizes(self.replica)
-
-    def after_step(self, warming_up: bool) -> Plan | None:
-        return None
-
-
 class Pipelined:
     """This rank's stage of a pipeline (or a whole replica beside pipelines)."""
 
@@ -125,30 +112,17 @@ class Pipelined:
         hidden = int(self.model.get_base_model().config.hidden_size)
         self.runner = pipeline.StageRunner(self.model, self.where, hidden, DTYPES[job.model.dtype], info.device)
         self.batch_rank = self.where.replica
-        self.balancer: Fixed
+        self.balancer: Balancer
 
     def start(self, saved_plan: dict[str, Any] | None) -> str:
-        caps: list[Any] = [self.job.micro_batch_cap]
-        if dist.is_initialized():
-            caps = [None] * self.info.world_size
-            dist.all_gather_object(caps, self.job.micro_batch_cap)
-        speeds = [r.speed for r in self.layout.replicas]
-        shares = split(self.job.train.global_batch_size, speeds)
-        replica_caps = []
-        for replica, share in zip(self.layout.replicas, shares, strict=True):
-            # A pipeline wants at least as many micro-batches as stages, or stages wait for each other.
-            fill = max(1, share // len(replica.stages))
-            replica_caps.append(min(min(int(caps[r]) for r in replica.ranks), fill))
-        plan = make_plan(self.job.train.global_batch_size, speeds, replica_caps, "layout")
-        self.balancer = Fixed(plan, self.where.replica)
+        self.balancer = Balancer(self.job, self.info, saved_plan, self.layout)
         stage = f"stage {self.where.stage + 1}/{self.where.stages} of replica {self.where.replica}"
-        sizes = plan.micro_sizes(self.where.replica)
+        sizes = self.balancer.micro_sizes()
         layers = f"layers {self.stage.start}-{self.stage.end - 1}"
         return f"pipeline: {stage}, {layers}, micro-batches {sizes}, {self.sync.bytes_per_step} gradient bytes/step"
 
     def rank_shares(self) -> tuple[int, ...]:
-        shares = self.balancer.plan.shares
-        return tuple(shares[self.layout.where(r).replica] for r in range(self.info.world_size))
+        return self.balancer.rank_shares()
 
     def train(self) -> None:
         self.model.train()
@@ -269,7 +243,8 @@ class Pipelined:
         sent = self.runner.step_bytes
         per_step = sum(sent) / max(1, len(sent)) / 1e6
         log.info("per step this stage sent %.2f MB of hidden states and gradients, all-reduced %.2f MB of LoRA "
-                 "gradients", per_step, self.sync.bytes_per_step / 1e6)  # fmt: skip
+                 "gradients; peak memory %.2f GiB", per_step, self.sync.bytes_per_step / 1e6,
+                 peak_gib(self.info.device))  # fmt: skip
         everyone = self._gather(None)
         if self.info.is_main and everyone is not None:
             _, _, peft_state, config = self._whole(everyone)
@@ -304,6 +279,13 @@ class Pipelined:
 
 
 Engine = DataParallel | Pipelined
+
+
+def peak_gib(device: torch.device) -> float:
+    """This rank's peak memory: allocated on its GPU, or its process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / (1 << 30)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # Linux reports KiB
 
 
 def build(job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout, run_dir: Path) -> Engine:

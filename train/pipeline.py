@@ -65,8 +65,17 @@ class StageRunner:
             work.wait()
         self.sends.clear()
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Receive (or embed) one micro-batch, run the stage; (its input when it needs a gradient, output)."""
+    def forward(
+        self, batch: dict[str, torch.Tensor], clock: StepClock | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Receive (or embed) one micro-batch, run the stage; (its input when it needs a gradient, output).
+
+        ``clock`` (training) times the compute; under ``make bench`` it also makes the stage last as long as its
+        emulated device would (a third of the micro-batch's device time forward, two thirds backward), before
+        the result leaves for the next stage.
+        """
+        if clock is not None:
+            clock.work(batch["input_ids"].numel() / 3)
         where = self.where
         if where.first:
             inputs: torch.Tensor | None = None
@@ -76,18 +85,22 @@ class StageRunner:
             rows, width = batch["input_ids"].shape
             inputs = self._recv((rows, width, self.hidden_size), where.prev).requires_grad_(True)
             out = stagemodel.forward(self.model, inputs, batch["attention_mask"], False, where.last)
+        if clock is not None:
+            clock.lap()
         if not where.last:
             assert where.next is not None
             self._send(out, where.next)
         return inputs, out
 
-    def backward(self, inputs: torch.Tensor | None, out: torch.Tensor) -> None:
+    def backward(self, inputs: torch.Tensor | None, out: torch.Tensor, clock: StepClock, tokens: int) -> None:
         """Backpropagate one micro-batch (``out`` is the scaled loss on the last stage) and pass the gradient back."""
+        clock.work(2 * tokens / 3)
         if self.where.last:
             out.backward()
         else:
             assert self.where.next is not None
             out.backward(self._recv(tuple(out.shape), self.where.next))
+        clock.lap()
         if inputs is not None:
             assert self.where.prev is not None and inputs.grad is not None
             self._send(inputs.grad, self.where.prev)
@@ -100,22 +113,21 @@ class StageRunner:
         scale = 1.0 / max(total, 1)
         clock.begin()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        pending: deque[tuple[torch.Tensor | None, torch.Tensor]] = deque()
+        pending: deque[tuple[torch.Tensor | None, torch.Tensor, int]] = deque()
         warmup = min(self.where.stages - self.where.stage - 1, len(micro_batches))
 
         def forward(batch: dict[str, torch.Tensor]) -> None:
             nonlocal loss_sum
-            clock.work(batch["input_ids"].numel())
-            inputs, out = self.forward(batch)
+            inputs, out = self.forward(batch, clock)
             if self.where.last:
                 loss = logits_loss(out, batch["labels"])
                 loss_sum += loss.detach().double()
                 out = loss * scale
-            pending.append((inputs, out))
+            pending.append((inputs, out, batch["input_ids"].numel()))
 
         def backward() -> None:
-            self.backward(*pending.popleft())
-            clock.lap()
+            inputs, out, tokens = pending.popleft()
+            self.backward(inputs, out, clock, tokens)
 
         for batch in micro_batches[:warmup]:
             forward(batch)

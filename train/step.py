@@ -76,13 +76,13 @@ class StepClock:
     gathered_tokens: list[float] = field(default_factory=list)  # every rank's previous-step label tokens
     _start: float = 0.0
     _mark: float = 0.0
-    _pending_tokens: int = 0
+    _pending_tokens: float = 0.0
 
     def begin(self) -> None:
         self._start = self._mark = time.perf_counter()
         self._pending_tokens = 0
 
-    def work(self, tokens: int) -> None:
+    def work(self, tokens: float) -> None:
         """The next lap computes these tokens (only the benchmark's emulated device uses it)."""
         self._pending_tokens += tokens
 
