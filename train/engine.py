@@ -243,8 +243,7 @@ class Pipelined:
         sent = self.runner.step_bytes
         per_step = sum(sent) / max(1, len(sent)) / 1e6
         log.info("per step this stage sent %.2f MB of hidden states and gradients, all-reduced %.2f MB of LoRA "
-                 "gradients; peak memory %.2f GiB", per_step, self.sync.bytes_per_step / 1e6,
-                 peak_gib(self.info.device))  # fmt: skip
+                 "gradients", per_step, self.sync.bytes_per_step / 1e6)  # fmt: skip
         everyone = self._gather(None)
         if self.info.is_main and everyone is not None:
             _, _, peft_state, config = self._whole(everyone)

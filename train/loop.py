@@ -177,6 +177,6 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             log.info("answers before/after in %s", write_samples(run_dir, job.model.source, items))
         plot_loss(run_dir)
         write_status(run_dir, state="finished", step=job.train.max_steps, error=None, cause=None)
-        log.info("finished: adapter in %s; peak memory of this rank %.2f GiB", run_dir / "adapter",
-                 engine.peak_gib(info.device))  # fmt: skip
+        log.info("finished: adapter in %s", run_dir / "adapter")
+    log.info("peak memory of this rank: %.2f GiB (%s)", engine.peak_gib(info.device), layout.describe_rank(info.rank))
     distributed.wait_for_all("the main rank has written the results", job.distributed.startup_timeout_s)

@@ -115,6 +115,13 @@ class Layout:
         """The ranks that hold decoder layer ``layer`` (one per replica)."""
         return tuple(s.rank for r in self.replicas for s in r.stages if s.start <= layer < s.end)
 
+    def describe_rank(self, rank: int) -> str:
+        """E.g. ``the whole model`` or ``stage 2/3, layers 10-19``."""
+        where, stage = self.where(rank), self.stage(rank)
+        if where.stages == 1:
+            return "the whole model"
+        return f"stage {where.stage + 1}/{where.stages}, layers {stage.start}-{stage.end - 1}"
+
     def describe(self) -> str:
         """E.g. ``replica 0: master layers 0-29; replica 1: node4070 layers 0-13 | node3070 layers 14-29``."""
         parts = []
