@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import REPO, cluster_job, newest_run, remove_runs
+from helpers import REPO, cli, cluster_job, newest_run, remove_runs
 
 from train import stageplan
 from train.config import load_job
@@ -71,3 +71,7 @@ def test_a_model_larger_than_every_hosts_memory_trains_as_stages_across_the_host
     # Hidden states crossed the hosts: every stage logged what it sent.
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("tb*-rank*.log"))
     assert logs.count("per step this stage sent") == 3, logs[-3000:]
+    # `make status` says what each host computes.
+    shown = cli("status", "--inventory", str(inventory), "--job-id", run_dir.name, timeout=120).stdout
+    for stage in stages:
+        assert f"layers {stage['start']}-{stage['end'] - 1}" in " ".join(shown.split()), shown

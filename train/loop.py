@@ -110,6 +110,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     if start == 0:
         held_out_loss(0, adapter=False)
     run.train()
+    part = layout.describe_rank(info.rank)  # what this rank computes, for `make status`
     progress.step = start
     for step in range(start, job.train.max_steps):
         indices = sampler.micro_batches(step, run.batch_rank, balancer.plan.shares, balancer.micro_sizes())
@@ -135,7 +136,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         optimizer.zero_grad(set_to_none=True)
         done = progress.step = step + 1
         figures = rank_figures(info.hosts, shares, balancer.clock.gathered, balancer.clock.gathered_tokens)
-        write_rank_status(run_dir, info.host, info.rank, done, job.train.max_steps, loss, figures)
+        write_rank_status(run_dir, info.host, info.rank, done, job.train.max_steps, loss, figures, part)
 
         if writer is not None:
             row = writer.log(done, loss, tokens, lr, grad_norm, sampler.epoch_of(done), figures)
@@ -178,5 +179,5 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         plot_loss(run_dir)
         write_status(run_dir, state="finished", step=job.train.max_steps, error=None, cause=None)
         log.info("finished: adapter in %s", run_dir / "adapter")
-    log.info("peak memory of this rank: %.2f GiB (%s)", engine.peak_gib(info.device), layout.describe_rank(info.rank))
+    log.info("peak memory of this rank: %.2f GiB (%s)", engine.peak_gib(info.device), part)
     distributed.wait_for_all("the main rank has written the results", job.distributed.startup_timeout_s)

@@ -145,10 +145,18 @@ def rank_figures(
 
 
 def write_rank_status(
-    run_dir: Path, host: str, rank: int, step: int, total_steps: int, loss: float, figures: dict[str, list[Any]]
+    run_dir: Path,
+    host: str,
+    rank: int,
+    step: int,
+    total_steps: int,
+    loss: float,
+    figures: dict[str, list[Any]],
+    part: str = "the whole model",
 ) -> None:
     """This rank's latest figures into ``hosts/<host>/rank<N>.json`` on its own host, atomically, every step:
-    what the node exporter (ugro/module_utils/ugro_exporter.py) serves for the ranks of its host."""
+    what the node exporter (ugro/module_utils/ugro_exporter.py) serves for the ranks of its host, and what
+    ``make status`` says the rank computes (``part``: the whole model, or its pipeline stage and layers)."""
 
     def own(key: str) -> Any:
         values = figures.get(key, [])
@@ -165,6 +173,7 @@ def write_rank_status(
         "share": own("share"),
         "ready_s": own("ready_s"),
         "tokens_per_s": own("tokens_per_s"),
+        "part": part,
         "time": time.time(),
     }
     path = run_dir / "hosts" / host / RANK_STATUS.format(rank=rank)

@@ -337,6 +337,27 @@ def _preflight(
         raise _fail(f"preflight could not run on {inventory}: {exc}") from None
 
 
+def _plan_before_launch(
+    inventory: Path, job: JobConfig, job_file: Path, facts: dict[str, dict[str, object]], found_ranks: dict[str, int]
+) -> None:
+    """Refuse a model the hosts cannot hold, with the planner's arithmetic, before anything starts; show the
+    stages when the model needs them. Where the controller cannot know (a hub model, a host without facts),
+    the ranks plan at the start from what they measure."""
+    try:
+        hosts, hostvars = read_cluster(inventory).hosts, read_hostvars(inventory)
+        stageplan.read_shape(job, REPO)
+        memory = stageplan.hosts_memory(job, REPO, hosts, hostvars, facts, found_ranks)
+    except (InventoryError, PlanError) as exc:
+        console.print(f"[dim]plan: left to the ranks ({exc})[/]", highlight=False)
+        return
+    try:
+        layout = stageplan.plan_cluster(job, REPO, memory)
+    except PlanError as exc:
+        raise _fail(f"{job_file}: {exc}", code=2) from None
+    if layout.pipelined:
+        console.print(f"[dim]plan: {layout.describe()} ({layout.reason}; make plan shows it all)[/]", highlight=False)
+
+
 def _fast_preflight(inventory: Path, job: JobConfig, job_file: Path) -> dict[str, int]:
     """The fast checks before a launch: refuse on a FAIL, a backend a host cannot run or a global batch smaller
     than the ranks the inventory starts; show WARNs. Returns the ranks per host."""
@@ -350,6 +371,7 @@ def _fast_preflight(inventory: Path, job: JobConfig, job_file: Path) -> dict[str
     problem = ranks.batch_problem(job, job_file, inventory, outcome.ranks)
     if problem:
         raise _fail(problem, code=2)
+    _plan_before_launch(inventory, job, job_file, outcome.facts, outcome.ranks)
     report = outcome.report
     line = f"preflight: {preflight_run.summary(report)} in {outcome.seconds['fast']:.1f} s"
     if report.failed():
@@ -441,14 +463,15 @@ def status(
     job_id = _job_id(job_id)
     run = run_playbook("status.yml", inventory, {"ugro_job_id": job_id}, runs_dir() / ".control" / "status")
     table = Table(title=f"job {job_id}")
-    for column in ("host", "state", "step", "loss", "tokens/s", "pids"):
+    for column in ("host", "state", "step", "loss", "tokens/s", "computes", "pids"):
         table.add_column(column)
     for host in run.hosts:
         s = run.facts.get(host, {}).get("train_job_status", {})
         state = s.get("state") or ("unreachable" if host in run.failures else "?")
         step = f"{s['step']}/{s['total_steps']}" if "step" in s else ""
+        computes = "; ".join(f"rank {r}: {part}" for r, part in s.get("parts", {}).items())
         table.add_row(host, state, step, f"{s['loss']:.4f}" if "loss" in s else "",
-                      f"{s['tokens_per_s']:.0f}" if "tokens_per_s" in s else "",
+                      f"{s['tokens_per_s']:.0f}" if "tokens_per_s" in s else "", computes,
                       " ".join(str(p) for p in s.get("pids", {}).values()))  # fmt: skip
     console.print(table)
     for host, message in run.failures.items():

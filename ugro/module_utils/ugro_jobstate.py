@@ -124,6 +124,19 @@ def ranks(run_dir: Path, host: str) -> list[int]:
     return sorted(int(n) for n in numbers if n.isdigit())
 
 
+def parts(run_dir: Path, host: str) -> dict[str, str]:
+    """What each rank of this host computes (rank -> "the whole model" or its pipeline stage), from its status."""
+    found: dict[str, str] = {}
+    for path in sorted((run_dir / "hosts" / host).glob("rank*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("part"):
+            found[str(record.get("rank"))] = str(record["part"])
+    return found
+
+
 def status(run_dir: Path, host: str, main: bool) -> dict[str, Any]:
     """state: running / finished / failed / stopped / lost / absent, exit code, live pids; on the main host
     (the one that keeps the metrics) the last step, loss, tokens/s and ETA, and run.json's state and error."""
@@ -145,7 +158,7 @@ def status(run_dir: Path, host: str, main: bool) -> dict[str, Any]:
         state = "lost"  # no process and no exit code: killed with SIGKILL or the host rebooted
     attempt = _read_int(host_dir / ATTEMPT)
     result.update(state=state, exit_code=exit_code, pids=pids, attempt=attempt, ranks=ranks(run_dir, host),
-                  failures=failures(run_dir, host, attempt))  # fmt: skip
+                  failures=failures(run_dir, host, attempt), parts=parts(run_dir, host))  # fmt: skip
     if main:
         last = last_metrics(run_dir)
         if last is not None:
