@@ -81,3 +81,31 @@ def test_three_stages_train_resume_as_two_and_leave_one_adapter_for_the_whole_ba
     again = {row["step"]: row["loss"] for row in read_metrics(resumed)}
     for step in (4, 5, 6):
         assert abs(again[step] - losses[step]) <= 1e-4 * abs(losses[step]), (step, again[step], losses[step])
+
+
+def test_a_stage_of_the_real_model_reads_only_its_layers_and_computes_what_the_whole_model_does(
+    tmp_path: Path,
+) -> None:
+    """SmolLM2's first 10 decoder layers loaded alone from its safetensors give the whole model's hidden
+    state after layer 10; the last stage, fed that state, gives the whole model's logits."""
+    from train import stagemodel
+    from train.topology import Stage
+    from ugro.model import basemodel
+
+    basemodel.ensure(REPO / "models" / "smollm2-135m-instruct")
+    job = load_job(REPO / "jobs" / "default.yaml")
+    whole = load_base_hf(job.model, REPO, torch.device("cpu"), job.train.seed)
+    ids = torch.tensor([[1, 504, 3458, 314, 253, 1789, 30, 2]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        out = whole(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    first, _ = stagemodel.load_stage(job, REPO, Stage(0, "a", 0, 10), True, False, torch.device("cpu"), tmp_path)
+    last, _ = stagemodel.load_stage(job, REPO, Stage(1, "b", 10, 30), False, True, torch.device("cpu"), tmp_path)
+    assert not list(tmp_path.iterdir()), "a stage's scratch directory is removed once it is loaded"
+    held = {n for n, _ in first.named_parameters() if ".layers." in n}
+    assert {stagemodel.layer_of(n) for n in held} == set(range(10))
+    with torch.no_grad():
+        hidden = stagemodel.forward(first, ids, mask, True, False)
+        logits = stagemodel.forward(last, hidden, mask, False, True)
+    torch.testing.assert_close(hidden, out.hidden_states[10], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, out.logits, rtol=1e-4, atol=1e-4)

@@ -11,6 +11,7 @@ data parallel.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import resource
@@ -198,7 +199,8 @@ class Pipelined:
             folder.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in peft_state.items()}, str(folder / "adapter_model.safetensors"),
                       metadata={"format": "pt"})  # fmt: skip
-            config.save_pretrained(str(folder))
+            # The stage's own config names its temporary directory as the base: name the job's, as data parallel does.
+            dataclasses.replace(config, base_model_name_or_path=self.job.model.source).save_pretrained(str(folder))
 
         return write
 
