@@ -64,11 +64,7 @@ def main() -> int:
     job_file = REPO / "jobs" / f"{NAME}.yaml"
     bed = tb.up(directory, hosts=3, subnet=SUBNET)
     try:
-        inventory = yaml.safe_load(Path(bed.inventory).read_text())
-        for host in inventory["all"]["children"]["ugro_cluster"]["hosts"].values():
-            host |= {"ugro_cpu_procs_per_node": 1, "ugro_omp_num_threads": 1}
-        cluster = directory / "cluster.yml"
-        cluster.write_text(yaml.safe_dump(inventory))
+        cluster = tb.one_rank_per_host(bed, directory / "cluster.yml")
         job = yaml.safe_load((REPO / "jobs" / "tiny.yaml").read_text())
         job |= {"name": NAME, "balance": "equal"}
         job["train"] = {**job.get("train", {}), "max_steps": 40, "global_batch_size": 6, "log_every": 10}

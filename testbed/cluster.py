@@ -1103,6 +1103,16 @@ def host_processes(directory: str | Path, host: str, marker: str) -> list[int]:
     return found
 
 
+def one_rank_per_host(bed: Testbed, path: Path) -> Path:
+    """A copy of the testbed's inventory at ``path`` where every host starts one CPU rank with one thread: the
+    test hosts share this machine's cores, and three ranks are what the multi-host tests and benchmarks run."""
+    data = yaml.safe_load(Path(bed.inventory).read_text())
+    for host in data["all"]["children"]["ugro_cluster"]["hosts"].values():
+        host |= {"ugro_cpu_procs_per_node": 1, "ugro_omp_num_threads": 1}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def kill_processes(directory: str | Path, host: str, marker: str) -> list[int]:
     """SIGKILL every process inside ``host`` whose command line has ``marker`` (a host crash, as the job sees it)."""
     pids = host_processes(directory, host, marker)

@@ -30,7 +30,6 @@ from typing import Any
 
 import helpers
 import pytest
-import yaml
 from helpers import (
     RUNS_ENV,
     SESSION_SUBNET,
@@ -177,13 +176,7 @@ def testbed(netns: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Iter
 @pytest.fixture(scope="session")
 def cluster(testbed: testbed_cluster.Testbed) -> Path:
     """The test cluster's inventory, one CPU process per host (3 ranks on this 2-core machine)."""
-    data = yaml.safe_load(Path(testbed.inventory).read_text())
-    for host in data["all"]["children"]["ugro_cluster"]["hosts"].values():
-        host["ugro_cpu_procs_per_node"] = 1
-        host["ugro_omp_num_threads"] = 1  # the three hosts share this machine's two cores
-    path = Path(testbed.inventory).parent / "cluster.yml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return testbed_cluster.one_rank_per_host(testbed, Path(testbed.inventory).parent / "cluster.yml")
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,20 @@ from train.topology import Layout
 log = logging.getLogger(__name__)
 
 
-class DataParallel:
+class _Engine:
+    """What both layouts share: the model (whole or a stage) with its LoRA adapter, and the batch plan."""
+
+    model: Any
+    balancer: Balancer
+
+    def rank_shares(self) -> tuple[int, ...]:
+        return self.balancer.rank_shares()
+
+    def base_model(self) -> contextlib.AbstractContextManager[None]:
+        return evaluate.base_model(self.model)
+
+
+class DataParallel(_Engine):
     """Every rank a whole replica: DDP over the LoRA weights, shares by measured speed (train/balance.py)."""
 
     def __init__(self, job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout) -> None:
@@ -43,7 +56,6 @@ class DataParallel:
         self.model, self.tokenizer, self.backend = load_model(job, code_dir, info.device)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.batch_rank = info.rank  # the sampler's index of this rank's share
-        self.balancer: Balancer
         self.ddp: torch.nn.Module = self.model
 
     def start(self, saved_plan: dict[str, Any] | None) -> str:
@@ -51,9 +63,6 @@ class DataParallel:
         compress = distributed.compression(self.job, self.info, self.model)
         self.ddp = distributed.wrap(self.model, self.info, self.balancer.clock, compress)
         return f"data parallel, grad_compression={compress}"
-
-    def rank_shares(self) -> tuple[int, ...]:
-        return self.balancer.rank_shares()
 
     def train(self) -> None:
         self.ddp.train()
@@ -63,9 +72,6 @@ class DataParallel:
 
     def clip(self, max_norm: float) -> float:
         return clip(self.trainable, max_norm)
-
-    def base_model(self) -> contextlib.AbstractContextManager[None]:
-        return evaluate.base_model(self.model)
 
     def held_out_loss(self, held_out: HeldOut, batch_size: int) -> tuple[float, int]:
         return evaluate.loss(self.model, held_out, self.info, batch_size)
@@ -92,7 +98,7 @@ class DataParallel:
         return before, evaluate.answers(self.model, self.tokenizer, self.job, records, self.info.device)
 
 
-class Pipelined:
+class Pipelined(_Engine):
     """This rank's stage of a pipeline (or a whole replica beside pipelines)."""
 
     def __init__(self, job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout, run_dir: Path) -> None:
@@ -113,7 +119,6 @@ class Pipelined:
         hidden = int(self.model.get_base_model().config.hidden_size)
         self.runner = pipeline.StageRunner(self.model, self.where, hidden, DTYPES[job.model.dtype], info.device)
         self.batch_rank = self.where.replica
-        self.balancer: Balancer
 
     def start(self, saved_plan: dict[str, Any] | None) -> str:
         self.balancer = Balancer(self.job, self.info, saved_plan, self.layout)
@@ -121,9 +126,6 @@ class Pipelined:
         sizes = self.balancer.micro_sizes()
         layers = f"layers {self.stage.start}-{self.stage.end - 1}"
         return f"pipeline: {stage}, {layers}, micro-batches {sizes}, {self.sync.bytes_per_step} gradient bytes/step"
-
-    def rank_shares(self) -> tuple[int, ...]:
-        return self.balancer.rank_shares()
 
     def train(self) -> None:
         self.model.train()
@@ -135,9 +137,6 @@ class Pipelined:
 
     def clip(self, max_norm: float) -> float:
         return self.sync.clip(max_norm)
-
-    def base_model(self) -> contextlib.AbstractContextManager[None]:
-        return evaluate.base_model(self.model)
 
     @torch.no_grad()
     def held_out_loss(self, held_out: HeldOut, batch_size: int) -> tuple[float, int]:
