@@ -448,6 +448,8 @@ def test_clean_cluster_passes_with_allreduce_and_memory(clean_inventory: Path, s
         measured = report["measurements"][host]
         assert measured["allreduce"]["world"] == 3 and measured["allreduce"]["busbw_Bps"] > 0
         assert measured["memory"]["steps"] == 5 and measured["memory"]["peak_bytes"] > 0
+        # The stage planner's estimate of the same model, from its config alone, beside the measurement.
+        assert measured["memory"]["estimate_bytes"] > 0
     print(
         "preflight measurements:",
         json.dumps(
@@ -456,6 +458,7 @@ def test_clean_cluster_passes_with_allreduce_and_memory(clean_inventory: Path, s
                     "latency_ms": m["allreduce"]["latency_s"] * 1e3,
                     "busbw_GBps": m["allreduce"]["busbw_Bps"] / 1e9,
                     "peak_GiB": m["memory"]["peak_bytes"] / 2**30,
+                    "estimate_GiB": m["memory"]["estimate_bytes"] / 2**30,
                 }
                 for h, m in report["measurements"].items()
             }

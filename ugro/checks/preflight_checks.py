@@ -850,6 +850,8 @@ def _memory_cell(host: str, r: dict[str, Any] | None, rc: int, output: str, t: T
     share = r.get("peak_bytes", 0) / total
     kind = "GPU memory" if r.get("total_bytes") else "available RAM"
     detail = f"peak {peak:.2f} of {total / GIB:.1f} GiB"
+    if r.get("estimate_bytes"):
+        detail += f" (planner's estimate {r['estimate_bytes'] / GIB:.2f})"  # docs/pipeline.md: the memory formula
     if share > 1.0:
         return Cell("FAIL", detail, f"peak {peak:.2f} GiB exceeds the {kind} of {host}", knob)
     if share > t.memory_headroom:
