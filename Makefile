@@ -13,7 +13,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: role-docs export train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit
+.PHONY: role-docs export train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit bench-pipeline
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -23,6 +23,7 @@ help:
 	@echo "make test            the whole test suite (ansible-lint, ruff, mypy, pytest, Molecule; root for the test cluster)"
 	@echo "make test-fast       the fast tier: ruff and the unit tests (no cluster, ranks, Ansible or network; < 3 min)"
 	@echo "make bench           balanced vs equal vs ideal on 3 emulated unequal ranks; trainer vs a bare loop"
+	@echo "make bench-pipeline  planned vs equal layer split vs ideal: 3 pipeline stages on emulated unequal devices"
 	@echo "make bench-ddp-init  bytes and time DDP broadcasts at start-up, plain vs ugro, on the test cluster (root)"
 	@echo "make bench-exporter  the node exporter's CPU cost at one scrape every 5 s"
 	@echo "make bench-4bit      the default job in 4-bit QLoRA against the same job unquantized: held-out loss by step"
@@ -147,6 +148,11 @@ provision: venv
 # Figures, not pass/fail: see bench/bench.py. The last line printed is the balanced/ideal ratio.
 bench: venv
 	$(PY) -m bench.bench run $(BENCH_ARGS)
+
+# One 3-stage pipeline on 3 emulated devices (1.0 / 0.6 / 0.5): the planner's layer split vs an equal one vs the
+# bubble-free bound (bench/pipeline.py, docs/pipeline.md "Benchmark"). The last line printed is a JSON object.
+bench-pipeline: venv
+	$(PY) -m bench.pipeline $(BENCH_ARGS)
 
 bench-ddp-init: venv
 	$(PY) -m bench.ddp_init run
