@@ -155,7 +155,17 @@ class Pipelined(_Engine):
         return (float(total[0]) / count if count else math.nan), count
 
     def _gather(self, optimizer: torch.optim.Optimizer | None) -> list[Any] | None:
-        """Collective: every rank's (replica, stage, named LoRA weights, named optimizer state, peft state) on main."""
+        """Collective: replica 0's stages send (replica, stage, named LoRA weights, named optimizer state, peft state,
+        peft config) to the main rank; the other replicas hold copies of the same weights and send nothing."""
+
+        mine = self._mine(optimizer) if self.where.replica == 0 else None
+        if not dist.is_initialized():
+            return [mine]
+        everyone: list[Any] | None = [None] * self.info.world_size if self.info.is_main else None
+        dist.gather_object(mine, everyone, dst=self.info.main_rank)
+        return everyone
+
+    def _mine(self, optimizer: torch.optim.Optimizer | None) -> tuple[Any, ...]:
         from peft import get_peft_model_state_dict
 
         state = {
@@ -168,18 +178,13 @@ class Pipelined(_Engine):
             for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()
         }
         config = self.model.peft_config["default"] if self.where.last else None
-        mine = (self.where.replica, self.where.stage, {n: p.detach().cpu().clone() for n, p in self.named}, state,
-                peft_state, config)  # fmt: skip
-        if not dist.is_initialized():
-            return [mine]
-        everyone: list[Any] | None = [None] * self.info.world_size if self.info.is_main else None
-        dist.gather_object(mine, everyone, dst=self.info.main_rank)
-        return everyone
+        weights = {n: p.detach().cpu().clone() for n, p in self.named}
+        return self.where.replica, self.where.stage, weights, state, peft_state, config
 
     @staticmethod
     def _whole(everyone: list[Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor], Any]:
         """Replica 0's stages in order: the whole model's LoRA weights in the whole model's order."""
-        stages = sorted((e for e in everyone if e[0] == 0), key=lambda e: e[1])
+        stages = sorted((e for e in everyone if e is not None), key=lambda e: e[1])
         weights: dict[str, torch.Tensor] = {}
         moments: dict[str, Any] = {}
         peft_state: dict[str, torch.Tensor] = {}
