@@ -74,17 +74,17 @@ class StageRunner:
         emulated device would (a third of the micro-batch's device time forward, two thirds backward), before
         the result leaves for the next stage.
         """
-        if clock is not None:
-            clock.work(batch["input_ids"].numel() / 3)
         where = self.where
-        if where.first:
-            inputs: torch.Tensor | None = None
-            out = stagemodel.forward(self.model, batch["input_ids"], batch["attention_mask"], True, where.last)
-        else:
+        inputs: torch.Tensor | None = None
+        if not where.first:
             assert where.prev is not None
             rows, width = batch["input_ids"].shape
             inputs = self._recv((rows, width, self.hidden_size), where.prev).requires_grad_(True)
-            out = stagemodel.forward(self.model, inputs, batch["attention_mask"], False, where.last)
+        if clock is not None:
+            clock.waited()  # the emulated device starts once the input is here
+            clock.work(batch["input_ids"].numel() / 3)
+        feed = batch["input_ids"] if inputs is None else inputs
+        out = stagemodel.forward(self.model, feed, batch["attention_mask"], where.first, where.last)
         if clock is not None:
             clock.lap()
         if not where.last:
@@ -94,12 +94,13 @@ class StageRunner:
 
     def backward(self, inputs: torch.Tensor | None, out: torch.Tensor, clock: StepClock, tokens: int) -> None:
         """Backpropagate one micro-batch (``out`` is the scaled loss on the last stage) and pass the gradient back."""
-        clock.work(2 * tokens / 3)
-        if self.where.last:
-            out.backward()
-        else:
+        grad = None
+        if not self.where.last:
             assert self.where.next is not None
-            out.backward(self._recv(tuple(out.shape), self.where.next))
+            grad = self._recv(tuple(out.shape), self.where.next)
+        clock.waited()
+        clock.work(2 * tokens / 3)
+        out.backward(grad)
         clock.lap()
         if inputs is not None:
             assert self.where.prev is not None and inputs.grad is not None

@@ -86,6 +86,10 @@ class StepClock:
         """The next lap computes these tokens (only the benchmark's emulated device uses it)."""
         self._pending_tokens += tokens
 
+    def waited(self) -> None:
+        """The time since the last lap went to waiting for a peer (a pipeline stage's input), not to compute."""
+        self._mark = time.perf_counter()
+
     def lap(self) -> None:
         if self.device_s_per_token > 0 and self._pending_tokens:
             device_s = self._pending_tokens * self.device_s_per_token
