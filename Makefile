@@ -13,7 +13,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: role-docs export train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit bench-pipeline
+.PHONY: role-docs export train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit bench-pipeline bench-pipeline-cluster
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -24,6 +24,7 @@ help:
 	@echo "make test-fast       the fast tier: ruff and the unit tests (no cluster, ranks, Ansible or network; < 3 min)"
 	@echo "make bench           balanced vs equal vs ideal on 3 emulated unequal ranks; trainer vs a bare loop"
 	@echo "make bench-pipeline  planned vs equal layer split vs ideal: 3 pipeline stages on emulated unequal devices"
+	@echo "make bench-pipeline-cluster  the default model in 3 stages across the test cluster vs data parallel (root)"
 	@echo "make bench-ddp-init  bytes and time DDP broadcasts at start-up, plain vs ugro, on the test cluster (root)"
 	@echo "make bench-exporter  the node exporter's CPU cost at one scrape every 5 s"
 	@echo "make bench-4bit      the default job in 4-bit QLoRA against the same job unquantized: held-out loss by step"
@@ -153,6 +154,11 @@ bench: venv
 # bubble-free bound (bench/pipeline.py, docs/pipeline.md "Benchmark"). The last line printed is a JSON object.
 bench-pipeline: venv
 	$(PY) -m bench.pipeline $(BENCH_ARGS)
+
+# The default job in 3 pipeline stages across the 3-host test cluster (each host's memory capped below the whole
+# model's need) against data parallel: held-out loss, tokens/s, peak memory, bytes per step (root).
+bench-pipeline-cluster: venv
+	$(PY) -m bench.pipeline_cluster
 
 bench-ddp-init: venv
 	$(PY) -m bench.ddp_init run

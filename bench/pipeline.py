@@ -3,7 +3,8 @@
 Runs the real trainer (torchrun, gloo, 1F1B stages: train/pipeline.py) as 3 ranks on this machine forming one
 3-stage pipeline, each rank emulating a device of speed 1.0 / 0.6 / 0.5 the way `make bench` does
 (bench/bench.py): the job's benchmark-only section ``benchmark: {emulate_speed, seconds_per_token}`` makes a
-stage's micro-batch last its tokens x ``seconds_per_token / f`` x (the stage's layers / the model's layers), a
+stage's micro-batch last its tokens x ``seconds_per_token / f`` x (the stage's layers, + the head's work on the last
+stage, over the model's), a
 third forward and two thirds backward, before its result leaves. The real compute runs inside that time;
 ``seconds_per_token`` is this machine's measured time per token for the whole model on one core (the bare loop of
 bench/bench.py on the same model), divided by ``--scale``.
@@ -121,21 +122,23 @@ def micro_batches(setup: Setup, stages: int) -> int:
     return math.ceil(setup.global_batch / micro)
 
 
-def busy_s(setup: Setup, counts: list[int], speeds: list[float]) -> list[float]:
-    """Every stage's emulated device time in one step."""
-    work = setup.tokens_per_step * setup.seconds_per_token / sum(counts)  # one layer's, on a speed-1.0 device
-    return [work * n / f for n, f in zip(counts, speeds, strict=True)]
+def busy_s(setup: Setup, counts: list[int], speeds: list[float], head: float) -> list[float]:
+    """Every stage's emulated device time in one step: its layers, and on the last stage the head (``head``
+    layers' worth of work, as the planner and the emulation count it: train/balance.py)."""
+    work = setup.tokens_per_step * setup.seconds_per_token / (sum(counts) + head)  # one layer's, speed 1.0
+    last = len(counts) - 1
+    return [work * (n + (head if i == last else 0.0)) / f for i, (n, f) in enumerate(zip(counts, speeds, strict=True))]
 
 
-def model_rate(setup: Setup, counts: list[int], speeds: list[float]) -> float:
+def model_rate(setup: Setup, counts: list[int], speeds: list[float], head: float) -> float:
     """A split's 1F1B estimate of tokens/s: a step is sum(t_i) + (M - 1) x max(t_i), t_i a micro-batch on stage i."""
     m = micro_batches(setup, len(counts))
-    per_micro = [b / m for b in busy_s(setup, counts, speeds)]
+    per_micro = [b / m for b in busy_s(setup, counts, speeds, head)]
     return setup.tokens_per_step / (sum(per_micro) + (m - 1) * max(per_micro))
 
 
-def best_split(setup: Setup, layers: int, speeds: tuple[float, ...]) -> tuple[list[int], list[float]]:
-    """The split and device order of highest 1F1B estimate under the emulation (which charges decoder layers only)."""
+def best_split(setup: Setup, layers: int, speeds: tuple[float, ...], head: float) -> tuple[list[int], list[float]]:
+    """The split and device order of highest 1F1B estimate (a brute force the planner's choice is judged by)."""
     splits = [
         (list(counts), list(order))
         for counts in itertools.product(range(1, layers), repeat=len(speeds))
@@ -143,7 +146,7 @@ def best_split(setup: Setup, layers: int, speeds: tuple[float, ...]) -> tuple[li
         for order in set(itertools.permutations(speeds))
     ]
     # Rounded: orders of the same time differ in the last bits; then the faster devices first.
-    return max(splits, key=lambda split: (round(model_rate(setup, *split), 6), split[1]))
+    return max(splits, key=lambda split: (round(model_rate(setup, split[0], split[1], head), 6), split[1]))
 
 
 def _launch(name: str, job: dict[str, Any], ranks: int, out: Path) -> subprocess.Popen[str]:
@@ -170,7 +173,9 @@ def _ran(run_dir: Path) -> list[tuple[int, int, int]]:
     return [(s.rank, s.start, s.end) for s in layout.replicas[0].stages]
 
 
-def train(name: str, setup: Setup, model: Path, counts: list[int], speeds: list[float], out: Path) -> dict[str, Any]:
+def train(
+    name: str, setup: Setup, model: Path, counts: list[int], speeds: list[float], out: Path, head: float
+) -> dict[str, Any]:
     """One run of the 3-stage pipeline; its tokens/s, and the stages as they ran."""
     split = " | ".join(f"{n} @ {f}" for n, f in zip(counts, speeds, strict=True))
     with console.status(f"{name}: layers @ device speed, stage by stage: {split}"):
@@ -185,13 +190,13 @@ def train(name: str, setup: Setup, model: Path, counts: list[int], speeds: list[
         console.print(f"[red]bench-pipeline: {name} ran the stages as {ran}, expected {expected}[/red]")
         raise typer.Exit(1)
     tokens_per_s = sequences_per_s * setup.seq_len
-    busy = busy_s(setup, counts, speeds)
+    busy = busy_s(setup, counts, speeds, head)
     return {
         "counts": counts,
         "speeds": speeds,
         "stages_ran": ran,
         "tokens_per_s": tokens_per_s,
-        "model_tokens_per_s": model_rate(setup, counts, speeds),
+        "model_tokens_per_s": model_rate(setup, counts, speeds, head),
         "busy_s": busy,
         "step_s": setup.tokens_per_step / tokens_per_s,
         "bubble": 1 - max(busy) * tokens_per_s / setup.tokens_per_step,
@@ -236,13 +241,14 @@ def run(
         f"bare loop {calibration:.1f} sequences/s on one core ({layers} layers): the speed-1.0 device needs "
         f"{setup.seconds_per_token * 1e3:.3f} ms per token (x {scale:.2f} of a core)"
     )
-    planned = train("planned", setup, model, *planned_split(setup, model, speeds, out), out)
-    equal = train("equal", setup, model, [layers // len(speeds)] * len(speeds), list(speeds), out)
+    head = stageplan.ModelShape.from_dir(model).head_work
+    planned = train("planned", setup, model, *planned_split(setup, model, speeds, out), out, head)
+    equal = train("equal", setup, model, [layers // len(speeds)] * len(speeds), list(speeds), out, head)
     stages, m = len(speeds), micro_batches(setup, len(speeds))
     ideal = sum(speeds) / setup.seconds_per_token
     bound = ideal * m / (m + stages - 1)
-    best = best_split(setup, layers, speeds)
-    best_rate = model_rate(setup, *best)
+    best = best_split(setup, layers, speeds, head)
+    best_rate = model_rate(setup, *best, head)
 
     table = Table(
         title=f"make bench-pipeline: {stages} stages on emulated devices of speed {factors} (1.0 = {scale:.2f} of a "

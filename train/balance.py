@@ -62,7 +62,9 @@ class Balancer:
             self.groups = tuple(r.ranks for r in layout.replicas)
             self.rank = layout.where(info.rank).replica
             stage = layout.stage(info.rank)
-            emulated *= (stage.end - stage.start) / layout.layers  # an emulated stage computes its layers only
+            # An emulated stage computes its own layers (and the last one the head), as the planner counts work.
+            head = layout.head_work if layout.where(info.rank).last else 0.0
+            emulated *= (stage.end - stage.start + head) / (layout.layers + layout.head_work)
             speeds = [r.speed for r in layout.replicas]
             shares = split(job.train.global_batch_size, speeds)
             # A pipeline wants at least as many micro-batches as stages, or its stages wait for each other.

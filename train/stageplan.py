@@ -421,7 +421,7 @@ class _Planner:
                                     time_share=round(share, 3)))  # fmt: skip
                 start += count
             replicas.append(Replica(stages=tuple(stages), speed=round(pipeline.speed, 4)))
-        return Layout(layers=self.shape.layers, replicas=tuple(replicas), reason=reason)
+        return Layout(layers=self.shape.layers, replicas=tuple(replicas), reason=reason, head_work=self.shape.head_work)
 
     def whole(self, index: int) -> Estimate:
         kind = self.kinds[self.kind_of[index]]

@@ -70,6 +70,7 @@ class Layout:
     layers: int  # decoder layers of the whole model
     replicas: tuple[Replica, ...]
     reason: str = ""  # why this layout: "fits every card", "parallel.stages: 3", "model needs 9.1 GiB ..."
+    head_work: float = 0.0  # the LM head's matmul work in decoder layers (the planner charges it to last stages)
 
     def __post_init__(self) -> None:
         ranks = [s.rank for r in self.replicas for s in r.stages]
@@ -139,7 +140,12 @@ class Layout:
             Replica(stages=tuple(Stage(**s) for s in r["stages"]), speed=float(r.get("speed", 1.0)))
             for r in data["replicas"]
         )
-        return cls(layers=int(data["layers"]), replicas=replicas, reason=str(data.get("reason", "")))
+        return cls(
+            layers=int(data["layers"]),
+            replicas=replicas,
+            reason=str(data.get("reason", "")),
+            head_work=float(data.get("head_work", 0.0)),
+        )
 
 
 def data_parallel(layers: int, hosts: Sequence[str], reason: str = "") -> Layout:
