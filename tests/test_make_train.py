@@ -119,19 +119,6 @@ def test_unsloth_where_it_cannot_run_is_named_before_launch(checkout: Path, inve
     assert not list((checkout / "runs").glob(f"{name}-*")), "nothing may start"
 
 
-def test_a_model_the_hosts_cannot_hold_is_refused_with_the_arithmetic_before_launch(
-    checkout: Path, inventory: Path, ugro: Run
-) -> None:
-    """Llama-3-70B in 4-bit on this one host: the planner's arithmetic, from the fast preflight's facts."""
-    job = checkout / "jobs" / "llama-3-70b-qlora.example.yaml"
-    result = ugro("train", "--job", str(job), "--inventory", str(inventory), timeout=600, **_in(checkout))
-    flat = " ".join(result.stderr.split())
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "llama-3-70b (80 layers, 4-bit) needs ~" in flat and "even cut into stages" in flat, flat
-    assert "Traceback" not in result.stderr
-    assert not list((checkout / "runs").glob("llama-3-70b*")), "nothing may start"
-
-
 def test_a_missing_inventory_is_named(job_file: Path) -> None:
     result = cli("train", "--job", str(job_file), "--inventory", "inventory/nope.yml")
     assert result.returncode == 2

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import math
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import cli
+from helpers import REPO, cli
 
 from train.config import JobConfig, StagesConfig, load_job
 from train.stageplan import Member, ModelShape, PlanError, estimate, plan
 from train.topology import Layout
 
-REPO = Path(__file__).resolve().parent.parent
 DEFAULT = load_job(REPO / "jobs" / "default.yaml")
 SMOLLM = ModelShape.from_dir(REPO / "models" / "smollm2-135m-instruct")
 QWEN14 = REPO / "jobs" / "qwen2.5-14b-qlora.example.yaml"
@@ -186,3 +184,22 @@ def test_make_plan_offline_shows_the_reference_clusters_stages() -> None:
                   env={"COLUMNS": "300"})  # fmt: skip
     assert refused.returncode == 2
     assert "needs ~" in refused.stderr and "25.4 GiB" in refused.stderr
+
+
+def test_make_train_refuses_a_model_the_hosts_cannot_hold_before_launch(capsys: pytest.CaptureFixture[str]) -> None:
+    """What `make train` / `make validate` do with the fast preflight's facts (here one CPU host with 16 GiB free):
+    Llama-3-70B is refused with the arithmetic, exit 2; the default job passes and is left to the ranks."""
+    import typer
+
+    from ugro import cli as ugro_cli
+
+    facts: dict[str, dict[str, object]] = {"localhost": {"gpu": {"gpus": []}, "memory": {"available_bytes": 16 << 30}}}
+    inventory = REPO / "inventory" / "local.yml"
+    big = REPO / "jobs" / "llama-3-70b-qlora.example.yaml"
+    with pytest.raises(typer.Exit) as refused:
+        ugro_cli._plan_before_launch(inventory, load_job(big), big, facts, {"localhost": 2})
+    assert refused.value.exit_code == 2
+    flat = " ".join(capsys.readouterr().err.split())
+    assert "llama-3-70b (80 layers, 4-bit) needs ~" in flat and "even cut into stages" in flat, flat
+    default = REPO / "jobs" / "default.yaml"
+    ugro_cli._plan_before_launch(inventory, load_job(default), default, facts, {"localhost": 2})
