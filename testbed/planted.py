@@ -44,5 +44,14 @@ def plant_run(
     figures = rank_figures([host, host], [5, 3], [0.5, 0.25], [1000, 600])
     for rank in (0, 1):
         (host_dir / f"worker-rank{rank}.pid").write_text(f"{worker_pid}\n")
-        write_rank_status(run, host, rank, step, total_steps, loss, figures)
+        write_rank_status(
+            run,
+            host,
+            rank,
+            step,
+            total_steps,
+            loss,
+            figures,
+            f"stage {rank + 1}/2, layers {rank * 15}-{rank * 15 + 14}",
+        )
     return run

@@ -134,8 +134,8 @@ def test_gpu_series_from_nvml_in_base_units_and_promtool_clean(planted: Path) ->
     assert not re.search(r'ugro_gpu_xid_errors_total\{[^}]*gpu="1"', text)  # GPU 1 supports no events
     # The planted job: the totals on the host that keeps the run, each live rank's own figures.
     assert sample.job is not None and sample.job.get("step") == 7 and sample.job.get("eval_loss") == 7.25
-    assert [(r.rank, r.share, r.ready_s, r.tokens_per_s) for r in sample.ranks] == [
-        (0, 0.625, 0.5, 2000.0), (1, 0.375, 0.25, 2400.0),
+    assert [(r.rank, r.share, r.ready_s, r.tokens_per_s, r.part) for r in sample.ranks] == [
+        (0, 0.625, 0.5, 2000.0, "stage 1/2, layers 0-14"), (1, 0.375, 0.25, 2400.0, "stage 2/2, layers 15-29"),
     ]  # fmt: skip
     assert sample.job_states == {"plant-20260101-000000": "running"}
 

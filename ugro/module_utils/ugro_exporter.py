@@ -84,6 +84,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "ugro_rank_batch_share_ratio": ("gauge", "The rank's share of the global batch in its last step (0-1)."),
     "ugro_rank_world_size": ("gauge", "Ranks of the job, as the rank saw it."),
     "ugro_rank_updated_timestamp_seconds": ("gauge", "When the rank last wrote its figures (Unix time)."),
+    "ugro_rank_stage_info": (
+        "gauge",
+        "What the rank computes (value 1): label part, its pipeline stage and decoder layers, or the whole model.",
+    ),
 }
 JOB_STATES = ("running", "finished", "failed", "stopped", "lost")
 
@@ -329,6 +333,7 @@ class Collector:
         alive = state.get("pids") or {}
         per_rank = RANK_FIELDS
         fams = {name: _family(name, ["job", "host", "rank"]) for name in per_rank}
+        stages = _family("ugro_rank_stage_info", ["job", "host", "rank", "part"])
         for path in sorted((run_dir / "hosts" / self.host).glob("rank*.json")):
             rank = path.stem[len("rank") :]
             record = _read_json(path)
@@ -337,7 +342,9 @@ class Collector:
             for name, key in per_rank.items():
                 if isinstance(record.get(key), int | float):
                     fams[name].add_metric([job, self.host, rank], float(record[key]))
-        yield from (fam for fam in fams.values() if fam.samples)
+            if isinstance(record.get("part"), str):
+                stages.add_metric([job, self.host, rank, record["part"]], 1.0)
+        yield from (fam for fam in [*fams.values(), stages] if fam.samples)
 
     def _job_totals(self, run_dir: Path) -> Iterator[Any]:
         job = run_dir.name

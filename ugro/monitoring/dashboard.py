@@ -105,7 +105,8 @@ class Dashboard(App[None]):
             hosts.add_column(label, key=key)
         ranks = self.query_one("#ranks", DataTable)
         for key, label in (("rank", "rank"), ("host", "host"), ("step", "step"), ("tokens", "tokens/s"),
-                           ("share", "share"), ("ready", "ready s"), ("balance", "share of the batch")):  # fmt: skip
+                           ("share", "share"), ("ready", "ready s"), ("balance", "share of the batch"),
+                           ("part", "computes")):  # fmt: skip
             ranks.add_column(label, key=key)
         self.run_worker(self._poll_forever(), exclusive=True, group="poll")
 
@@ -193,7 +194,7 @@ class Dashboard(App[None]):
         ranks: list[Rank] = self.cluster.ranks()
         for r in ranks:
             table.add_row(str(r.rank), r.host, _num(r.step, ".0f"), _num(r.tokens_per_s, ",.0f"), _ratio(r.share),
-                          _num(r.ready_s, ".3f"), _bar(r.share), key=f"rank{r.rank}")  # fmt: skip
+                          _num(r.ready_s, ".3f"), _bar(r.share), r.part or DASH, key=f"rank{r.rank}")  # fmt: skip
 
 
 def run(inventory: Path, interval_s: float) -> None:

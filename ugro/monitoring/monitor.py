@@ -114,6 +114,7 @@ class Rank:
     ready_s: float | None = None
     share: float | None = None
     world_size: float | None = None
+    part: str | None = None  # what it computes: "the whole model", or "stage 2/3, layers 13-25"
 
 
 @dataclass
@@ -175,6 +176,10 @@ def parse(text: str) -> HostSample:
                 key = (labels.get("job", ""), int(labels["rank"]))
                 rank = ranks.setdefault(key, Rank(key[1], labels.get("host", ""), key[0]))
                 setattr(rank, _RANK_KEYS[name], value)
+            elif name == "ugro_rank_stage_info" and labels.get("rank", "").isdigit():
+                key = (labels.get("job", ""), int(labels["rank"]))
+                rank = ranks.setdefault(key, Rank(key[1], labels.get("host", ""), key[0]))
+                rank.part = labels.get("part")
             elif name == "ugro_job_state":
                 if value == 1:
                     sample.job_states[labels.get("job", "")] = labels.get("state", "")
