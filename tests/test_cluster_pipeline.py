@@ -92,7 +92,7 @@ def test_a_model_larger_than_every_host_trains_as_stages_and_re_plans_when_a_sta
     status = json.loads((run_dir / "run.json").read_text())
     assert status["state"] == "finished" and len(status["restarts"]) == 1, status.get("restarts")
     # Before the fault: three stages, one per host (the main rank logs the layout of each launch).
-    layouts = re.findall(r"layout \([^)]*\): (.*)", (run_dir / "logs" / "tb1-rank0.log").read_text())
+    layouts = re.findall(r"INFO layout \(.*\): (replica .*)", (run_dir / "logs" / "tb1-rank0.log").read_text())
     assert len(layouts) == 2, layouts
     assert [re.findall(r"tb\d", line) for line in layouts] == [["tb1", "tb2", "tb3"], ["tb1", "tb2"]], layouts
     # After it: the model cut anew into two stages on the hosts left, each within the capped memory.
