@@ -62,10 +62,10 @@ def decide(job: JobConfig, info: RankInfo, code_dir: Path) -> topology.Layout:
         members = [m for m in gathered if m is not None]
     try:
         shape = stageplan.read_shape(job, code_dir)
-    except stageplan.PlanError:
+    except stageplan.PlanError as exc:
         if job.parallel == "auto":
             return topology.data_parallel(1, hosts, "the model's config.json is not local: data parallel")
-        raise
+        raise ConfigError(f"key 'parallel': {exc}") from None
     try:
         return stageplan.plan(job, shape, members)
     except stageplan.PlanError as exc:
