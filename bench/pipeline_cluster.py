@@ -35,6 +35,7 @@ from testbed import cluster as testbed_cluster
 from train import stageplan
 from train.config import JobConfig
 from train.metrics import read_metrics
+from ugro.model import basemodel
 
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.10.0/24"  # its own: `make test`, `make testbed-up` and `make bench-recovery` use others
@@ -113,6 +114,7 @@ def run(steps: int = 12, skip: int = 2) -> None:
 
         pp_job = _job("bench-pp", steps, "auto")
         config = JobConfig.model_validate(pp_job)
+        basemodel.ensure(REPO / config.model.source)  # its config.json sizes the plan (a fresh clone has none yet)
         shape = stageplan.read_shape(config, REPO)
         whole = stageplan.estimate(shape, config, shape.layers, True, True, 1, "cpu")
         cap = round(whole.total * 0.92, 2)  # below the whole model's estimated need

@@ -15,7 +15,9 @@ from train.stageplan import Member, ModelShape, PlanError, estimate, plan
 from train.topology import Layout
 
 DEFAULT = load_job(REPO / "jobs" / "default.yaml")
-SMOLLM = ModelShape.from_dir(REPO / "models" / "smollm2-135m-instruct")
+# The default model's config.json as its conversion writes it (models/smollm2-135m-instruct holds it only once
+# converted from its wheel): the fast tier needs no download.
+SMOLLM = ModelShape.from_dir(REPO / "models" / "configs" / "smollm2-135m-instruct")
 QWEN14 = REPO / "jobs" / "qwen2.5-14b-qlora.example.yaml"
 LLAMA70 = REPO / "jobs" / "llama-3-70b-qlora.example.yaml"
 REFERENCE = "inventory/reference-cluster.example.yml"

@@ -70,11 +70,16 @@ def _load(job_file: Path) -> JobConfig:
 
 def _prepare_model(job: JobConfig) -> None:
     """Convert the base model from its wheel where it comes from one, then check the LoRA targets against it."""
+    _convert_model(job)
+    _check_targets(job)
+
+
+def _convert_model(job: JobConfig) -> None:
+    """The base model converted from its wheel where it comes from one (once; its config.json sizes the plan)."""
     try:
         jobcheck.prepare_model(job, REPO, lambda line: console.print(f"[dim]{line}[/]", highlight=False))
     except ConfigError as exc:
         raise _fail(str(exc)) from None
-    _check_targets(job)
 
 
 def _check_targets(job: JobConfig) -> None:
@@ -183,6 +188,7 @@ def plan_cmd(
     """Show which rank holds which layers: data parallel where the model fits every rank, else pipeline stages
     sized to each host's memory and speed; exit 2 with the arithmetic when the model fits nowhere."""
     job = _load(job_file)
+    _convert_model(job)
     if not inventory.is_file():
         raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
     try:
