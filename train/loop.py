@@ -42,14 +42,14 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     torch.manual_seed(job.train.seed)
     preempt.install()  # a batch scheduler's warning before its time limit (train/preempt.py); LAN: nothing
     layout = placement.decide(job, info, code_dir)  # data parallel, or pipeline stages when the model needs them
-    run = engine.build(job, info, code_dir, layout, run_dir)
-    tokenizer, backend = run.tokenizer, run.backend
+    trainer = engine.build(job, info, code_dir, layout, run_dir)  # a whole replica, or this rank's stage
+    tokenizer, backend = trainer.tokenizer, trainer.backend
     blocks = prepare(job.data, tokenizer, code_dir)
     held_out = evaluate.load(job, tokenizer, code_dir)
     # Loading takes each host its own time; from here on collectives wait at most distributed.timeout_s.
     distributed.wait_for_all("the model and data are loaded", job.distributed.startup_timeout_s)
     sampler = GlobalBatchSampler(len(blocks), job.train.global_batch_size, job.train.seed)
-    trainable = run.trainable
+    trainable = trainer.trainable
     optimizer = torch.optim.AdamW(
         trainable, lr=job.optim.lr, betas=job.optim.betas, eps=job.optim.eps, weight_decay=job.optim.weight_decay
     )
@@ -57,7 +57,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
 
     start = 0
     torch.manual_seed(job.train.seed + 7919 * (info.rank + 1))  # LoRA dropout differs per rank
-    restored = run.restore(run_dir, optimizer, scheduler) if resume else None
+    restored = trainer.restore(run_dir, optimizer, scheduler) if resume else None
     if restored is not None:
         start = restored.step
         log.info("resumed from %s at step %d", restored.path, start)
@@ -68,8 +68,8 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     elif resume:
         log.info("no intact checkpoint in %s: starting from step 0", run_dir / "checkpoints")
 
-    how = run.start(restored.extra.get("plan") if restored else None)
-    balancer = run.balancer
+    how = trainer.start(restored.extra.get("plan") if restored else None)
+    balancer = trainer.balancer
     log.info(
         "backend=%s device=%s blocks=%d seq_len=%d trainable=%d micro_batch_cap=%d %s",
         backend,
@@ -99,8 +99,8 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         """Every rank evaluates its part; the main rank records the mean over all of them."""
         if held_out is None or job.eval is None:
             return
-        with contextlib.nullcontext() if adapter else run.base_model():
-            value, count = run.held_out_loss(held_out, job.eval.batch_size)
+        with contextlib.nullcontext() if adapter else trainer.base_model():
+            value, count = trainer.held_out_loss(held_out, job.eval.batch_size)
         if writer is not None:
             writer.log_eval(step, value, count, adapter)
             log.info("step %d: held-out loss %.4f over %d answer tokens (%s)", step, value, count,
@@ -109,20 +109,20 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
 
     if start == 0:
         held_out_loss(0, adapter=False)
-    run.train()
+    trainer.train()
     part = layout.describe_rank(info.rank)  # what this rank computes, for `make status`
     progress.step = start
     for step in range(start, job.train.max_steps):
-        indices = sampler.micro_batches(step, run.batch_rank, balancer.plan.shares, balancer.micro_sizes())
+        indices = sampler.micro_batches(step, trainer.batch_rank, balancer.plan.shares, balancer.micro_sizes())
         micro_batches = [blocks.batch(ix, info.device) for ix in indices]
-        loss, tokens = run.step(micro_batches)
-        shares = run.rank_shares()  # the split this step ran with
+        loss, tokens = trainer.step(micro_batches)
+        shares = trainer.rank_shares()  # the split this step ran with
         new_plan = balancer.after_step(warming_up=step < start + 2)
         if new_plan is not None:
             log.info("step %d: re-planned from measured step times: %s", step + 1, new_plan.describe())
             if info.is_main:
                 write_status(run_dir, plan=new_plan.to_dict())
-        grad_norm = run.clip(job.optim.grad_clip)
+        grad_norm = trainer.clip(job.optim.grad_clip)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             last = checkpoint.latest_valid(run_dir)
             raise NonFiniteError(
@@ -156,16 +156,16 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         stop = preempt.requested(info.device)  # collective when installed: every rank stops after this step
         if done % job.checkpoint.every == 0 or done == job.train.max_steps or stop:
             extra = {"cluster_hash": job.cluster_hash(), "world_size": info.world_size, "plan": balancer.plan.to_dict()}
-            saved = run.save(run_dir, done, optimizer, scheduler, extra)
+            saved = trainer.save(run_dir, done, optimizer, scheduler, extra)
             if saved is not None:
                 log.info("checkpoint %s written and verified", saved)
                 write_status(run_dir, step=done, last_checkpoint=str(saved))
         if stop and done < job.train.max_steps:
             raise preempt.stop(run_dir, info.is_main, done)
 
-    run.save_adapter(run_dir / "adapter")  # with stages: every stage's LoRA weights put together on the main rank
+    trainer.save_adapter(run_dir / "adapter")  # with stages: every stage's LoRA weights put together on the main rank
     asked = held_out.records[: job.eval.samples] if held_out is not None and job.eval is not None else []
-    answered = run.answers(asked) if asked else None  # through the stages with a pipeline, on the main rank without
+    answered = trainer.answers(asked) if asked else None  # through the stages with a pipeline, on the main rank without
     if writer is not None:
         writer.close()
         tokenizer.save_pretrained(str(run_dir / "adapter"))
