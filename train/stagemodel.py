@@ -17,13 +17,14 @@ Names inside a stage are local (``layers.0`` is the stage's first layer); ``glob
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 import shutil
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,21 +65,21 @@ def _stage_config(config: dict[str, Any], stage: Stage, first: bool, last: bool)
     return out
 
 
-def _base_tensors(source: Path) -> Iterator[tuple[str, Any, str]]:
-    """(name, open safetensors file, file) for every tensor of a model directory, without reading any."""
+def _base_tensors(source: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(name, read it) for every tensor of a model directory's safetensors files, reading none until asked."""
     from safetensors import safe_open
 
     index = source / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
-    files = files or ["model.safetensors"]
-    for file in files:
+    for file in files or ["model.safetensors"]:
         with safe_open(str(source / file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, handle, file
+                yield name, functools.partial(handle.get_tensor, name)
 
 
 def _wanted(name: str, stage: Stage, first: bool, last: bool, tied: bool) -> str | None:
-    """The stage's name for a base tensor it needs, or None."""
+    """The stage's name for a base tensor it needs, or None. Everything outside the decoder layers but the
+    embedding and the head (the final norm: tiny) is loaded everywhere, so nothing is left uninitialized."""
     layer = layer_of(name)
     if layer is not None:
         return local_name(name, stage.start) if stage.start <= layer < stage.end else None
@@ -86,8 +87,6 @@ def _wanted(name: str, stage: Stage, first: bool, last: bool, tied: bool) -> str
         return name if first or last else None  # a last stage without a tied head still has it in its config
     if name.startswith("lm_head"):
         return name if last and not tied else None
-    if name.endswith("norm.weight") or name.endswith("norm.bias"):
-        return name  # the final norm: tiny, loaded everywhere so nothing is left uninitialized
     return name
 
 
@@ -116,22 +115,19 @@ def write_stage(job: JobConfig, source: Path, stage: Stage, first: bool, last: b
             f"{config.get('model_type')!r} is not one. Use parallel: data"
         )
     tied = bool(config.get("tie_word_embeddings", False))
+    base: Iterable[tuple[str, Callable[[], torch.Tensor]]] = (
+        ((name, functools.partial(torch.Tensor.detach, value)) for name, value in _random_base(job, source).items())
+        if job.model.init == "random"
+        else _base_tensors(source)  # read lazily, while each file is open
+    )
     tensors: dict[str, torch.Tensor] = {}
-    if job.model.init == "random":
-        for name, value in _random_base(job, source).items():
-            mine = _wanted(name, stage, first, last, tied)
-            if mine is not None:
-                tensors[mine] = value.contiguous()
-    else:
-        for name, handle, _ in _base_tensors(source):
-            mine = _wanted(name, stage, first, last, tied)
-            if mine is not None:
-                tensors[mine] = handle.get_tensor(name).contiguous()
-    if not first and not last:
-        embed = next(k for k in tensors if "embed_tokens" in k) if any("embed_tokens" in k for k in tensors) else None
-        width = int(config["hidden_size"])
+    for name, read in base:
+        mine = _wanted(name, stage, first, last, tied)
+        if mine is not None:
+            tensors[mine] = read().contiguous()
+    if not first and not last:  # fed hidden states, never token ids: a one-row stub keeps the model's shape
         dtype = next(iter(tensors.values())).dtype
-        tensors[embed or "model.embed_tokens.weight"] = torch.zeros(1, width, dtype=dtype)
+        tensors["model.embed_tokens.weight"] = torch.zeros(1, int(config["hidden_size"]), dtype=dtype)
     into.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(into / "model.safetensors"), metadata={"format": "pt"})
     (into / "config.json").write_text(json.dumps(_stage_config(config, stage, first, last), indent=1))
