@@ -246,8 +246,7 @@ class Pipelined(_Engine):
         return checkpoint.restored(path, state)
 
     def save_adapter(self, folder: Path) -> None:
-        sent = self.runner.step_bytes
-        per_step = sum(sent) / max(1, len(sent)) / 1e6
+        per_step = self.runner.step_bytes / max(1, self.runner.steps) / 1e6
         log.info("per step this stage sent %.2f MB of hidden states and gradients, all-reduced %.2f MB of LoRA "
                  "gradients", per_step, self.sync.bytes_per_step / 1e6)  # fmt: skip
         everyone = self._gather(None)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from train import stagemodel
 from train.step import StepClock, exchange, label_tokens, logits_loss
-from train.topology import Layout, Where
+from train.topology import Where
 
 
 @dataclass
@@ -48,7 +48,8 @@ class StageRunner:
     device: torch.device
     sends: list[Any] = field(default_factory=list)
     sent_bytes: int = 0  # hidden states and their gradients this stage has sent
-    step_bytes: list[int] = field(default_factory=list)  # of that, what each training step sent
+    step_bytes: int = 0  # of that, what the training steps sent
+    steps: int = 0  # training steps done in this process
 
     def _recv(self, shape: tuple[int, ...], src: int) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -138,7 +139,8 @@ class StageRunner:
         while pending:
             backward()
         self._finish_sends()
-        self.step_bytes.append(self.sent_bytes - before)
+        self.step_bytes += self.sent_bytes - before
+        self.steps += 1
         clock.end()
         clock.last_tokens = own
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -245,8 +247,3 @@ class GradSync:
 def named_trainable(model: torch.nn.Module, start: int) -> list[tuple[str, torch.nn.Parameter]]:
     """This stage's trainable parameters under the base's names (``layers.N`` counted from the whole model)."""
     return [(stagemodel.global_name(n, start), p) for n, p in model.named_parameters() if p.requires_grad]
-
-
-def runner(model: Any, layout: Layout, rank: int, hidden_size: int, dtype: torch.dtype,
-           device: torch.device) -> StageRunner:  # fmt: skip
-    return StageRunner(model, layout.where(rank), hidden_size, dtype, device)

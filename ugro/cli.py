@@ -33,7 +33,7 @@ from ugro.checks import plan as stageplan
 from ugro.checks import preflight as preflight_run
 from ugro.checks.preflight_checks import Thresholds, lock_cuda
 from ugro.hosts import codesync
-from ugro.hosts.inventory import InventoryError, read_cluster, read_hostvars
+from ugro.hosts.inventory import InventoryError, read_cluster
 from ugro.hosts.playbook import REPO, RUNS_ENV, PlaybookRun, run_playbook, runs_dir
 from ugro.run.supervisor import LaunchError, Supervisor
 from ugro.schedulers import render as schedulers
@@ -192,7 +192,8 @@ def plan_cmd(
     if not inventory.is_file():
         raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
     try:
-        hosts, hostvars = read_cluster(inventory).hosts, read_hostvars(inventory)
+        cluster = read_cluster(inventory)
+        hosts, hostvars = cluster.hosts, cluster.hostvars
     except InventoryError as exc:
         raise _fail(str(exc)) from None
     facts: dict[str, dict[str, object]] | None = None
@@ -350,7 +351,8 @@ def _plan_before_launch(
     stages when the model needs them. Where the controller cannot know (a hub model, a host without facts),
     the ranks plan at the start from what they measure."""
     try:
-        hosts, hostvars = read_cluster(inventory).hosts, read_hostvars(inventory)
+        cluster = read_cluster(inventory)
+        hosts, hostvars = cluster.hosts, cluster.hostvars
         stageplan.read_shape(job, REPO)
         memory = stageplan.hosts_memory(job, REPO, hosts, hostvars, facts, found_ranks)
     except (InventoryError, PlanError) as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,9 @@ class Cluster:
     hosts: list[str]  # inventory order
     rendezvous: str  # the main host: it writes the run's checkpoints, metrics and adapter
     remote: bool  # False where the hosts write into the controller's own checkout (ugro_code_sync: false)
+    # Every host's variables as the inventory sets them (group_vars and host_vars merged, not templated; role
+    # defaults are not among them).
+    hostvars: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _members(groups: dict[str, dict[str, list[str]]], name: str) -> list[str]:
@@ -47,20 +50,13 @@ def _listing(inventory: Path) -> dict[str, Any]:
     return data
 
 
-def read_hostvars(inventory: Path) -> dict[str, dict[str, Any]]:
-    """Every host's variables as the inventory sets them (group_vars and host_vars merged, not templated; role
-    defaults are not among them)."""
-    hostvars: dict[str, dict[str, Any]] = _listing(inventory).get("_meta", {}).get("hostvars", {})
-    return hostvars
-
-
 def read_cluster(inventory: Path) -> Cluster:
     data = _listing(inventory)
-    hostvars: dict[str, dict[str, object]] = data.get("_meta", {}).get("hostvars", {})
+    hostvars: dict[str, dict[str, Any]] = data.get("_meta", {}).get("hostvars", {})
     hosts = _members(data, GROUP)
     if not hosts:
         raise InventoryError(f"{inventory}: no hosts in group '{GROUP}'; list the cluster under all.children.{GROUP}")
     chosen = hostvars.get(hosts[0], {}).get("ugro_rendezvous_host")
     rendezvous = chosen if isinstance(chosen, str) and chosen in hosts else hosts[0]
     remote = all(hostvars.get(h, {}).get("ugro_code_sync", True) is not False for h in hosts)
-    return Cluster(hosts=hosts, rendezvous=rendezvous, remote=remote)
+    return Cluster(hosts=hosts, rendezvous=rendezvous, remote=remote, hostvars=hostvars)
