@@ -53,5 +53,6 @@ def plant_run(
             loss,
             figures,
             f"stage {rank + 1}/2, layers {rank * 15}-{rank * 15 + 14}",
+            f"cuda: NVIDIA GeForce RTX 4070, 7.6 GiB (GPU {rank})",
         )
     return run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -44,11 +45,22 @@ def test_loss_falls_and_the_run_leaves_everything(baseline: Path) -> None:
     assert list((baseline / "tensorboard").glob("events.out.tfevents.*"))
     assert len(list((baseline / "logs").glob("*-rank*.log"))) == 2
     assert (baseline / "loss.png").stat().st_size > 1000
-    assert json.loads((baseline / "run.json").read_text())["state"] == "finished"
+    run = json.loads((baseline / "run.json").read_text())
+    assert run["state"] == "finished"
+    # What the model card tells (ugro/model/card.py): the resolved job, the data by hash and record count.
+    assert run["job"]["train"]["max_steps"] == 40 and run["job"]["lora"]["r"] == 16 and run["job_file"]
+    train_data = (REPO / "data" / "sample" / "train.jsonl").read_bytes()
+    assert run["data"]["train"] == {
+        "source": "data/sample/train.jsonl",
+        "sha256": hashlib.sha256(train_data).hexdigest(),
+        "records": len(train_data.splitlines()),
+    }
     # Every rank's share and speed in each row (the picture's lower panels); each rank's own figures on its host.
     ranks = rows[-1]["ranks"]
     assert len(ranks["share"]) == 2 and abs(sum(ranks["share"]) - 1) < 1e-6 and all(ranks["tokens_per_s"])
-    assert sorted(p.name for p in (baseline / "hosts").glob("*/rank*.json")) == ["rank0.json", "rank1.json"]
+    statuses = sorted((baseline / "hosts").glob("*/rank*.json"))
+    assert [p.name for p in statuses] == ["rank0.json", "rank1.json"]
+    assert all(json.loads(p.read_text())["device"].startswith("cpu: ") for p in statuses)
 
 
 def test_killed_run_resumes_to_the_same_loss(

@@ -13,7 +13,6 @@ files (a kill or a full disk mid-write) is never loaded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -27,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from train.digest import sha256_file
+
 log = logging.getLogger(__name__)
 
 PREFIX = "step-"
@@ -38,15 +39,6 @@ class Restored:
     step: int
     path: Path
     extra: dict[str, Any]  # what the run saved beside the weights (world size, batch plan, ...)
-
-
-def sha256_file(path: Path) -> str:
-    """The sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _fsync_tree(root: Path) -> None:

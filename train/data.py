@@ -28,6 +28,7 @@ class Blocks(Dataset[dict[str, torch.Tensor]]):
     input_ids: torch.Tensor
     labels: torch.Tensor
     attention_mask: torch.Tensor
+    records: int = 0  # how many records the blocks were built from (run.json ``data``)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -152,7 +153,7 @@ def cut(examples: list[Example], n: int) -> list[Example]:
 def build_blocks(examples: list[Example], cfg: DataConfig, pad_id: int) -> Blocks:
     """Pack examples into seq_len blocks; with packing off, one padded row each: a text document is cut into as
     many rows as it fills, an instruction or chat record is truncated to seq_len."""
-    n = cfg.seq_len
+    n, records = cfg.seq_len, len(examples)
     if cfg.format == "text" and not cfg.packing:
         examples = cut(examples, n)
     if cfg.packing:
@@ -163,7 +164,7 @@ def build_blocks(examples: list[Example], cfg: DataConfig, pad_id: int) -> Block
             raise ConfigError(f"data.seq_len: the data holds {len(flat_ids)} tokens, fewer than one block of {n}")
         ids = torch.tensor(flat_ids[: count * n]).view(count, n)
         labels = torch.tensor(flat_labels[: count * n]).view(count, n)
-        return Blocks(ids, labels, torch.ones_like(ids))
+        return Blocks(ids, labels, torch.ones_like(ids), records)
     ids = torch.full((len(examples), n), pad_id)
     labels = torch.full((len(examples), n), IGNORE)
     mask = torch.zeros((len(examples), n), dtype=torch.long)
@@ -172,7 +173,7 @@ def build_blocks(examples: list[Example], cfg: DataConfig, pad_id: int) -> Block
         ids[row, :k] = torch.tensor(e_ids[:k])
         labels[row, :k] = torch.tensor(e_labels[:k])
         mask[row, :k] = 1
-    return Blocks(ids, labels, mask)
+    return Blocks(ids, labels, mask, records)
 
 
 def _pad_id(tokenizer: Any) -> int:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
+import platform
 import resource
 from pathlib import Path
 from typing import Any
@@ -290,6 +292,20 @@ def peak_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / (1 << 30)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # Linux reports KiB
+
+
+@functools.cache
+def device_name(device: torch.device) -> str:
+    """The rank's device for people (its status file, the model card): the GPU's name and memory, or the CPU's
+    model ("cuda: NVIDIA GeForce RTX 4070, 7.6 GiB", "cpu: AMD EPYC 7B13"). Once per process."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"cuda: {props.name}, {props.total_memory / (1 << 30):.1f} GiB"
+    model = ""
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    return f"{device.type}: {model or platform.processor() or platform.machine() or 'unknown model'}"
 
 
 def build(job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout, run_dir: Path) -> Engine:

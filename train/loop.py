@@ -7,6 +7,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ from train.metrics import (
     write_samples,
     write_status,
 )
+from train.records import describe_source
 from train.sampler import GlobalBatchSampler
 from train.schedule import warmup_cosine
 
@@ -37,6 +39,14 @@ class Progress:
     step: int | None = None
 
 
+def _data_facts(job: JobConfig, code_dir: Path, records: int, held_out: evaluate.HeldOut | None) -> dict[str, Any]:
+    """run.json ``data``: each data file as the job names it, its sha256 and the records the run loaded from it."""
+    facts = {"train": describe_source(job.data.source, code_dir, records)}
+    if held_out is not None and job.eval is not None:
+        facts["eval"] = describe_source(job.eval.source, code_dir, len(held_out.records))
+    return facts
+
+
 def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: bool, progress: Progress) -> None:
     """Train (under `make bench`, the job's benchmark section makes this rank emulate a slower device)."""
     torch.manual_seed(job.train.seed)
@@ -46,6 +56,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     tokenizer, backend = trainer.tokenizer, trainer.backend
     blocks = prepare(job.data, tokenizer, code_dir)
     held_out = evaluate.load(job, tokenizer, code_dir)
+    data = _data_facts(job, code_dir, blocks.records, held_out) if info.is_main else None  # hashing: inside the wait
     # Loading takes each host its own time; from here on collectives wait at most distributed.timeout_s.
     distributed.wait_for_all("the model and data are loaded", job.distributed.startup_timeout_s)
     sampler = GlobalBatchSampler(len(blocks), job.train.global_batch_size, job.train.seed)
@@ -93,6 +104,10 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             layout=layout.to_dict(),
             error=None,  # a relaunch after a failure starts clean
             cause=None,
+            # What the model card (ugro/model/card.py) tells: the job as the main rank runs it (rank_local with its
+            # host's profile merged), and the data it trained and was judged on.
+            job=job.model_dump(mode="json"),
+            data=data,
         )
 
     def held_out_loss(step: int, adapter: bool = True) -> None:
@@ -111,6 +126,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         held_out_loss(0, adapter=False)
     trainer.train()
     part = layout.describe_rank(info.rank)  # what this rank computes, for `make status`
+    device = engine.device_name(info.device)  # and on what, for the model card
     progress.step = start
     for step in range(start, job.train.max_steps):
         indices = sampler.micro_batches(step, trainer.batch_rank, balancer.plan.shares, balancer.micro_sizes())
@@ -136,7 +152,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         optimizer.zero_grad(set_to_none=True)
         done = progress.step = step + 1
         figures = rank_figures(info.hosts, shares, balancer.clock.gathered, balancer.clock.gathered_tokens)
-        write_rank_status(run_dir, info.host, info.rank, done, job.train.max_steps, loss, figures, part)
+        write_rank_status(run_dir, info.host, info.rank, done, job.train.max_steps, loss, figures, part, device)
 
         if writer is not None:
             row = writer.log(done, loss, tokens, lr, grad_norm, sampler.epoch_of(done), figures)

@@ -153,10 +153,12 @@ def write_rank_status(
     loss: float,
     figures: dict[str, list[Any]],
     part: str = "the whole model",
+    device: str | None = None,
 ) -> None:
     """This rank's latest figures into ``hosts/<host>/rank<N>.json`` on its own host, atomically, every step:
-    what the node exporter (ugro/module_utils/ugro_exporter.py) serves for the ranks of its host, and what
-    ``make status`` says the rank computes (``part``: the whole model, or its pipeline stage and layers)."""
+    what the node exporter (ugro/module_utils/ugro_exporter.py) serves for the ranks of its host, what
+    ``make status`` says the rank computes (``part``: the whole model, or its pipeline stage and layers), and the
+    device it computes on (``device``: train/engine.py ``device_name``, what the model card names)."""
 
     def own(key: str) -> Any:
         values = figures.get(key, [])
@@ -174,6 +176,7 @@ def write_rank_status(
         "ready_s": own("ready_s"),
         "tokens_per_s": own("tokens_per_s"),
         "part": part,
+        "device": device,
         "time": time.time(),
     }
     path = run_dir / "hosts" / host / RANK_STATUS.format(rank=rank)

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from train.config import ConfigError, DataConfig
+from train.digest import sha256_file, sha256_tree
 from train.sources import READERS, TEXT_SUFFIXES, Record, read_notes_folder
 
-__all__ = ["Record", "check_record", "load_records", "messages", "read_checked"]
+__all__ = ["Record", "check_record", "describe_source", "load_records", "messages", "read_checked"]
 
 _LINELESS = (".parquet",)  # local files read through ``datasets``: their records are named "row N"
 
@@ -124,3 +125,12 @@ def messages(row: dict[str, Any], fmt: str) -> list[dict[str, str]]:
         return [{"role": str(t["role"]), "content": str(t["content"])} for t in row["messages"]]
     user = str(row["instruction"]) + (f"\n\n{row['input']}" if row.get("input") else "")
     return [{"role": "user", "content": user}, {"role": "assistant", "content": str(row["output"])}]
+
+
+def describe_source(source: str, base_dir: Path, records: int) -> dict[str, Any]:
+    """What a run records of a data source (run.json ``data``, the model card's data section): the source as the
+    job names it, its sha256 (a file's; a folder's, over its files: train/digest.py ``sha256_tree``; None for a
+    hub dataset, which has no local bytes to hash) and how many records were read from it."""
+    local = _resolve(source, base_dir)
+    digest = sha256_file(local) if local.is_file() else sha256_tree(local) if local.is_dir() else None
+    return {"source": source, "sha256": digest, "records": records}

@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         distributed.agree(problem, info)  # a bad file on one host stops every rank, none waits
         assert job is not None
         distributed.check_same_job(job, info)
+        if info.is_main:
+            write_status(run_dir, job_file=str(args.job))  # for the model card's command that reproduces the run
         loop.run(job, info, run_dir, args.code_dir.resolve(), resume, progress)
         return 0
     except (Exception, failure.Stopped) as exc:
