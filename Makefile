@@ -13,7 +13,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: role-docs export train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit bench-pipeline bench-pipeline-cluster
+.PHONY: role-docs export chat train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit bench-pipeline bench-pipeline-cluster
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -29,7 +29,8 @@ help:
 	@echo "make bench-exporter  the node exporter's CPU cost at one scrape every 5 s"
 	@echo "make bench-4bit      the default job in 4-bit QLoRA against the same job unquantized: held-out loss by step"
 	@echo "make testbed-up N=3 / make testbed-down   a test cluster of N hosts on this machine (root)"
-	@echo "make export [JOB_ID=...]   merge the run's adapter into its base model (runs/<job-id>/merged)"
+	@echo "make export [JOB_ID=...] [FORMAT=gguf]   the run's model merged into its base (runs/<job-id>/merged), or as GGUF + Ollama Modelfile (runs/<job-id>/gguf)"
+	@echo "make chat [JOB_ID=...]     talk to a run's model in the terminal (/base, /tuned, /reset, /quit)"
 	@echo "make dashboard [INVENTORY=...]   live view of every node's exporter (GPUs, job, loss, per-rank balance); q quits"
 	@echo "make prometheus-config [INVENTORY=...]   runs/monitoring/prometheus.yml: a Prometheus scrape config of every exporter"
 	@echo "make validate [JOB=...] [INVENTORY=...]   check a job file (and with INVENTORY, its hosts and ranks) without starting anything"
@@ -75,7 +76,11 @@ status logs stop: venv
 
 # The run's adapter merged into its base model (runs/<job-id>/merged), checked against base + adapter.
 export: venv
-	$(UGRO) export $(if $(JOB_ID),--job-id $(JOB_ID))
+	$(UGRO) export $(if $(JOB_ID),--job-id $(JOB_ID)) $(if $(FORMAT),--format $(FORMAT)) $(if $(QUANT),--quant $(QUANT)) $(if $(QUESTIONS),--questions $(QUESTIONS))
+
+# Talk to a run's model in the terminal (default: the newest run); /base and /tuned switch the adapter off and on.
+chat: venv
+	$(UGRO) chat $(if $(JOB_ID),--job-id $(JOB_ID))
 
 validate: venv
 	$(UGRO) validate --job $(JOB) $(if $(filter-out file,$(origin INVENTORY)),--inventory $(INVENTORY))

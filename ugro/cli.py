@@ -4,7 +4,7 @@ train, validate                    a job on the inventory's hosts (ugro/run/, ug
 plan                               which rank holds which layers: data parallel or pipeline stages (ugro/checks/plan.py)
 preflight, doctor                  checks before a launch and after a failure (ugro/checks/)
 status, logs, stop                 a running or finished job on its hosts (playbooks/)
-export                             the run's adapter merged into its base model (ugro/model/merge.py)
+export, chat                       use the run's model: merged, GGUF for llama.cpp / Ollama, a chat (ugro/model/)
 dashboard, prometheus-config       watching the cluster (ugro/monitoring/)
 slurm-script, k8s-manifest         the same job under a batch scheduler (ugro/schedulers/)
 
@@ -19,7 +19,7 @@ import datetime
 import os
 import shutil
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -38,6 +38,9 @@ from ugro.hosts.playbook import REPO, RUNS_ENV, PlaybookRun, run_playbook, runs_
 from ugro.run.supervisor import LaunchError, Supervisor
 from ugro.schedulers import render as schedulers
 from ugro.stack import cuda as stack
+
+if TYPE_CHECKING:
+    from ugro.model.gguf_export import GgufExport
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ugro: LoRA fine-tuning across the GPUs of a LAN.")
 console = Console()
@@ -439,23 +442,79 @@ def doctor_cmd(
 @app.command(name="export")
 def export_cmd(
     job_id: JobIdOpt = None,
-    out: Annotated[Path | None, typer.Option(help="where to write (default: runs/<job-id>/merged)")] = None,
+    out: Annotated[Path | None, typer.Option(help="merged model directory (default: runs/<job-id>/merged)")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="merged (safetensors) | gguf (llama.cpp, Ollama)")] = "merged",
+    quant: Annotated[str, typer.Option(help="GGUF types, comma-separated (f16, q8_0, q4_k_m, f32, bf16, q5_k_m)")] = (
+        "f16,q8_0,q4_k_m"
+    ),
+    job: Annotated[Path | None, typer.Option("--job", help="the job file, for a run that did not record it")] = None,
+    questions: Annotated[int | None, typer.Option(min=1, help="GGUF: ask only the first N held-out questions")] = None,
 ) -> None:
-    """Merge the run's LoRA adapter into its base model (safetensors + tokenizer), checked against base + adapter."""
-    from ugro.model import merge as export
+    """The run's model: merged into its base (safetensors), or as GGUF files with an Ollama Modelfile, each with a
+    model card."""
+    from ugro.model import card, gguf_export, merge
+    from ugro.model.basemodel import ModelError
 
     run_dir = runs_dir() / _job_id(job_id)
     adapter = run_dir / "adapter"
+    if fmt not in ("merged", "gguf"):
+        raise _fail(f"FORMAT={fmt}: choose merged (safetensors, the default) or gguf (llama.cpp and Ollama)")
     if not adapter.is_dir():
         raise _fail(f"{adapter}: no adapter here (did the run finish? `make logs JOB_ID=...` collects it)")
     try:
-        result = export.export(adapter, out or run_dir / "merged", REPO)
+        if fmt == "gguf":
+            types = gguf_export.parse_types(quant)
+            job_config = _load(job) if job else None
+            result = gguf_export.export(run_dir, REPO, types, job_config, log=console.print, questions=questions)
+        else:
+            target = out or run_dir / "merged"
+            merged = merge.export(adapter, target, REPO)
+            card.write_card(target, run_dir, REPO, artifact="merged", files=merge.listing(target))
+    except (ConfigError, ModelError) as exc:
+        raise _fail(str(exc)) from None
+    if fmt == "merged":
+        console.print(
+            f"merged model in {merged.out}: logits equal base + adapter (max difference "
+            f"{merged.max_diff_vs_adapter:.1e}), differ from the base (max {merged.max_diff_vs_base:.2f}); "
+            f"model card {merged.out / 'README.md'}"
+        )
+        return
+    _print_gguf(result)
+    if not result.passed:
+        raise _fail(f"a GGUF file does not hold the fine-tuned model (see {result.out / 'check.json'})", 1)
+
+
+def _print_gguf(result: GgufExport) -> None:
+    table = Table(title=f"GGUF files in {result.out} (held-out loss of the merged model: {result.reference_loss:.4f})")
+    for column in ("type", "MB", "held-out loss", "vs merged", "answers identical", "first tokens agree", "passed"):
+        table.add_column(column)
+    for r in result.reports:
+        a = r.answers
+        passed = "yes" if r.passed else "[red]NO[/]"
+        table.add_row(r.kind, f"{r.size_mb:.0f}", f"{r.loss:.4f}", f"{r.loss_rel_diff:+.2%}",
+                      f"{a.identical}/{a.questions}", str(a.same_tokens_min), passed)  # fmt: skip
+    console.print(table)
+    if result.modelfile is not None:
+        console.print(f"Ollama: ollama create NAME -f {result.modelfile}; ollama run NAME")
+    else:
+        console.print(f"[yellow]no Modelfile:[/] {result.modelfile_note}")
+    console.print(f"model card: {result.out / 'README.md'}")
+
+
+@app.command()
+def chat(
+    job_id: JobIdOpt = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="the longest answer, in tokens")] = 256,
+    system: Annotated[str | None, typer.Option(help="a system message to start every conversation with")] = None,
+) -> None:
+    """Talk to a run's fine-tuned model in the terminal (its chat template, streamed); /base, /tuned, /reset, /quit."""
+    from ugro.model import chat as chat_session
+
+    run_dir = runs_dir() / _job_id(job_id)
+    try:
+        raise typer.Exit(chat_session.chat(run_dir, REPO, max_new_tokens=max_new_tokens, system=system))
     except ConfigError as exc:
         raise _fail(str(exc)) from None
-    console.print(
-        f"merged model in {result.out}: logits equal base + adapter (max difference {result.max_diff_vs_adapter:.1e}), "
-        f"differ from the base (max {result.max_diff_vs_base:.2f})"
-    )
 
 
 @app.command()

@@ -19,6 +19,22 @@ TOLERANCE = 1e-4
 PROBE = "What should I check when torchrun hangs at the rendezvous?"
 
 
+# What a merged directory holds, for its model card.
+FILES_DESCRIBED = {
+    "model.safetensors": "the weights: the base with the LoRA update added (float32)",
+    "config.json": "the architecture (transformers)",
+    "generation_config.json": "generation defaults",
+    "tokenizer.json": "the tokenizer",
+    "tokenizer_config.json": "the tokenizer's settings and special tokens",
+    "chat_template.jinja": "the chat template the run trained with",
+}
+
+
+def listing(out: Path) -> list[tuple[str, str]]:
+    """The merged directory's files with what each is (the model card's table)."""
+    return [(name, what) for name, what in FILES_DESCRIBED.items() if (out / name).is_file()]
+
+
 @dataclass(frozen=True)
 class Exported:
     out: Path
