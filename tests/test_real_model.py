@@ -109,3 +109,56 @@ def test_export_merges_into_a_model_equal_to_base_plus_adapter(qlora_run: Path, 
         merged_logits = merged(input_ids=ids).logits
     assert float((merged_logits - tuned_logits).abs().max()) <= 1e-4
     assert float((merged_logits - base_logits).abs().max()) > 1e-3
+
+
+def test_the_converted_base_keeps_the_gguf_tokenizer() -> None:
+    """The base's tokenizer is the one its GGUF defines: byte-level BPE, <|im_end|> ends a turn and a sequence."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    basemodel.ensure(REPO / MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(str(REPO / MODEL))
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.eos_token_id == GenerationConfig.from_pretrained(str(REPO / MODEL)).eos_token_id
+    text = "Port 29500 on node4070: naïve café, ¿qué? 数据"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert [tokenizer.decode([i]) for i in tokenizer("29500", add_special_tokens=False)["input_ids"]] == list("29500")
+
+
+def test_gguf_export_loads_in_llama_cpp_and_answers_like_the_merged_model(qlora_run: Path, registry: None) -> None:
+    """make export FORMAT=gguf on a real run: llama.cpp (built from the registry's source distribution, cached)
+    loads every file; f16 answers the held-out questions token for token like transformers on the merged model."""
+    import yaml
+    from helpers import cli
+
+    done = cli("export", "--job-id", qlora_run.name, "--format", "gguf", "--quant", "f16,q8_0", "--questions", "4",
+               env={"UGRO_RUNS_DIR": str(qlora_run.parent)}, timeout=1800)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = qlora_run / "gguf"
+    check = json.loads((out / "check.json").read_text())
+    by_kind = {r["kind"]: r for r in check["files"]}
+    assert set(by_kind) == {"f16", "q8_0"} and all(r["passed"] for r in by_kind.values())
+    f16, q8 = by_kind["f16"], by_kind["q8_0"]
+    # f16 holds the merged weights rounded to f16, tensor for tensor, as transformers' GGUF loader reads them.
+    assert f16["tensors"]["other"] == 0 and not f16["tensors"]["missing"]
+    assert f16["tensors"]["exact"] + f16["tensors"]["rounded"] == f16["tensors"]["tensors"]
+    # llama.cpp tokenizes the prompts as transformers does, keeps the chat template, and answers alike.
+    assert f16["answers"]["prompt_tokens_agree"] and f16["chat_template_kept"]
+    assert f16["answers"]["questions"] == 4
+    assert f16["answers"]["same_tokens_min"] >= 16 or all(d["margin"] < 0.05 for d in f16["answers"]["divergences"])
+    assert abs(f16["loss_rel_diff"]) <= 0.002 and abs(q8["loss_rel_diff"]) <= 0.01
+    modelfile = (out / "Modelfile").read_text()
+    assert f"FROM ./{qlora_run.name}-q8_0.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["base_model"] == "SmolLM2-135M-Instruct" and front["license"] == "apache-2.0"
+    assert "## GGUF checks" in card and (qlora_run / "merged" / "README.md").is_file()
+
+
+def test_gguf_export_refuses_an_architecture_llama_cpp_cannot_convert(tmp_path: Path, registry: None) -> None:
+    from train.config import ConfigError
+    from ugro.model import gguf_export, llamacpp
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
+    with pytest.raises(ConfigError, match="does not support the architecture NoSuchModelForCausalLM"):
+        gguf_export.check_architecture(tmp_path, llamacpp.ensure())
