@@ -9,7 +9,6 @@ run.json carried ``job`` and ``data`` still renders: what it did not record is s
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from train.metrics import read_eval, read_metrics, read_samples
 from train.planner import Plan
 from train.topology import Layout
 from ugro.model.basemodel import ModelError, load_recipe
+from ugro.model.jsonfile import read_object
 
 Artifact = Literal["adapter", "merged", "gguf"]
 LIBRARY: dict[str, str] = {"adapter": "peft", "merged": "transformers", "gguf": "gguf"}
@@ -69,9 +69,9 @@ def render_card(
     ``extra``: (heading, markdown) sections of the exporter's own (a GGUF comparison table, say), placed after the
     held-out evaluation; the markdown is taken as it is.
     """
-    run = _read_json(run_dir / "run.json")
+    run = read_object(run_dir / "run.json")
     job: dict[str, Any] = run["job"] if isinstance(run.get("job"), dict) else {}
-    adapter = _read_json(run_dir / "adapter" / "adapter_config.json")
+    adapter = read_object(run_dir / "adapter" / "adapter_config.json")
     base = _base(job, adapter, repo)
     front = {
         "base_model": base.name,
@@ -124,14 +124,6 @@ def write_card(
 # Reading the run
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _base(job: dict[str, Any], adapter: dict[str, Any], repo: Path) -> Base:
     """The base model from the job (or, for an older run, the adapter's config), named by its recipe if it has one."""
     source = str((job.get("model") or {}).get("source") or adapter.get("base_model_name_or_path") or "")
@@ -140,7 +132,7 @@ def _base(job: dict[str, Any], adapter: dict[str, Any], repo: Path) -> Base:
     path = Path(source) if Path(source).is_absolute() else repo / source
     if not path.is_dir():  # a hub name (or a directory this checkout lacks)
         return Base(source, source, None, "", None, None)
-    config = _read_json(path / "config.json")
+    config = read_object(path / "config.json")
     arch = str(config["model_type"]) if config.get("model_type") else None
     try:
         recipe = load_recipe(path)
@@ -303,7 +295,7 @@ def _training_section(run: dict[str, Any], job: dict[str, Any], adapter: dict[st
 def _rank_files(run_dir: Path) -> dict[int, dict[str, Any]]:
     found: dict[int, dict[str, Any]] = {}
     for path in sorted((run_dir / "hosts").glob("*/rank*.json")):
-        record = _read_json(path)
+        record = read_object(path)
         rank = record.get("rank")
         if isinstance(rank, int):
             found[rank] = record

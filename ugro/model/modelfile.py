@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ugro.model.jsonfile import read_object
+
 NUM_CTX_CAP = 4096  # the context Ollama is given unless the model's own is smaller: a KV cache small GPUs hold
 SAMPLING = (  # generation_config.json key -> Ollama PARAMETER
     ("temperature", "temperature"),
@@ -266,14 +268,6 @@ def template_name(model_dir: Path) -> str:
 # The Modelfile
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _special_tokens(tokenizer: Any) -> list[str]:
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     tokens = [str(t) for t in added.values() if getattr(t, "special", False)]
@@ -321,8 +315,8 @@ def modelfile(gguf_name: str, model_dir: Path, *, num_ctx: int | None = None) ->
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     template = derive(tokenizer, template_name(model_dir))
-    config = _read_json(model_dir / "config.json")
-    generation = _read_json(model_dir / "generation_config.json")
+    config = read_object(model_dir / "config.json")
+    generation = read_object(model_dir / "generation_config.json")
     lines = [
         f"# Ollama Modelfile for {gguf_name}, written by ugro (ugro/model/modelfile.py).",
         "# Use: ollama create <name> -f Modelfile  (in this directory), then ollama run <name>",
