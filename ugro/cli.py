@@ -455,15 +455,18 @@ def export_cmd(
     from ugro.model import card, gguf_export, merge
     from ugro.model.basemodel import ModelError
 
-    run_dir = runs_dir() / _job_id(job_id)
-    adapter = run_dir / "adapter"
     if fmt not in ("merged", "gguf"):
         raise _fail(f"FORMAT={fmt}: choose merged (safetensors, the default) or gguf (llama.cpp and Ollama)")
+    try:
+        types = gguf_export.parse_types(quant)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    run_dir = runs_dir() / _job_id(job_id)
+    adapter = run_dir / "adapter"
     if not adapter.is_dir():
         raise _fail(f"{adapter}: no adapter here (did the run finish? `make logs JOB_ID=...` collects it)")
     try:
         if fmt == "gguf":
-            types = gguf_export.parse_types(quant)
             job_config = _load(job) if job else None
             result = gguf_export.export(run_dir, REPO, types, job_config, log=console.print, questions=questions)
         else:
