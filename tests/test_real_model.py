@@ -90,13 +90,13 @@ def test_adapter_loads_on_the_unquantized_base_in_a_fresh_process(qlora_run: Pat
     assert result["answer"].strip()
 
 
-def test_export_merges_into_a_model_equal_to_base_plus_adapter(qlora_run: Path, tmp_path: Path) -> None:
+def test_export_merges_into_a_model_equal_to_base_plus_adapter(qlora_run: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from ugro.model.merge import export
 
-    out = tmp_path / "merged"
+    out = qlora_run / "merged"  # where `make export` puts it: the GGUF export below starts from it
     export(qlora_run / "adapter", out, REPO)
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     ids = torch.tensor([[1, 4093, 314, 260, 3575, 282, 4649, 47, 2]])

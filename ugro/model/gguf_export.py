@@ -217,6 +217,7 @@ def export(
     if not _current(merged, adapter):
         log(f"merging the adapter into its base: {merged}")
         merge.export(adapter, merged, repo)
+    if not (merged / "README.md").is_file():
         card.write_card(merged, run_dir, repo, artifact="merged", files=merge.listing(merged))
     out = run_dir / "gguf"
     files = write(merged, out, run_dir.name, types, llama, log)
@@ -259,9 +260,9 @@ DESCRIBE = {
 def table(result: GgufExport) -> str:
     """The checks as a markdown table (the model card's and the docs')."""
     lines = [
-        f"Against transformers on the merged model (held-out loss {result.reference_loss:.4f}): every file read back "
-        "by transformers' GGUF loader and loaded by llama.cpp, which answers the held-out questions greedily from "
-        "the same prompt tokens.",
+        f"Against transformers on the merged model (held-out loss {result.reference_loss:.4f}): llama.cpp loads "
+        "every file, scores the held-out rows and answers the held-out questions greedily from the same prompt "
+        "tokens; transformers' GGUF loader reads each unquantized file back, tensor by tensor.",
         "",
         "| file | MB | held-out loss (llama.cpp) | vs merged | tensors as merged | greedy answers identical "
         "| first tokens that agree (fewest) | passed |",
@@ -269,7 +270,7 @@ def table(result: GgufExport) -> str:
     ]
     for r in result.reports:
         t = r.tensors
-        tensors = "-" if t is None else f"{t.exact} exact + {t.rounded} f16-rounded of {t.tensors}"
+        tensors = "(quantized)" if t is None else f"{t.exact} exact + {t.rounded} f16-rounded of {t.tensors}"
         if t is not None and t.other:
             tensors = f"{t.other} of {t.tensors} quantized (rel. error ≤ {t.max_rel_error:.3f})"
         a = r.answers
