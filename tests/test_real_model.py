@@ -149,6 +149,7 @@ def test_gguf_export_loads_in_llama_cpp_and_answers_like_the_merged_model(qlora_
     assert abs(f16["loss_rel_diff"]) <= 0.002 and abs(q8["loss_rel_diff"]) <= 0.01
     modelfile = (out / "Modelfile").read_text()
     assert f"FROM ./{qlora_run.name}-q8_0.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
+    assert "PARAMETER temperature 0\n" in modelfile  # greedy, as the run judged its samples
     card = (out / "README.md").read_text()
     front = yaml.safe_load(card.split("---")[1])
     assert front["base_model"] == "SmolLM2-135M-Instruct" and front["license"] == "apache-2.0"

@@ -229,7 +229,7 @@ def export(
     note = None
     target: Path | None = out / "Modelfile"
     try:
-        text = modelfile.modelfile(chosen.name, merged)
+        text = modelfile.modelfile(chosen.name, merged, greedy=True)  # as the run judged its samples
     except modelfile.TemplateError as exc:  # the GGUF files stand; only Ollama's TEMPLATE needs a hand
         note, text = str(exc), None
     if text is None:

@@ -305,12 +305,13 @@ def _quoted(value: str) -> str:
     return f'"""{value}"""' if '"' in value else f'"{value}"'
 
 
-def modelfile(gguf_name: str, model_dir: Path, *, num_ctx: int | None = None) -> str:
+def modelfile(gguf_name: str, model_dir: Path, *, num_ctx: int | None = None, greedy: bool = False) -> str:
     """The Modelfile text for ``gguf_name`` (a file beside the Modelfile) of the model in ``model_dir``: the
     directory the GGUF file was converted from, holding the tokenizer with its chat template, config.json and
     generation_config.json (the merged model). ``num_ctx``: the context length to give Ollama; by default
-    min(4096, the model's max_position_embeddings). Raises TemplateError where the chat template cannot be
-    derived (the caller may then write the Modelfile without a TEMPLATE and say so)."""
+    min(4096, the model's max_position_embeddings). ``greedy``: the job answers greedily (its held-out samples,
+    ``make chat``), so Ollama's temperature is 0 whatever generation_config.json says. Raises TemplateError where
+    the chat template cannot be derived (the caller may then write the Modelfile without a TEMPLATE and say so)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -323,7 +324,7 @@ def modelfile(gguf_name: str, model_dir: Path, *, num_ctx: int | None = None) ->
         "",
         f"FROM ./{gguf_name}",
         "",
-        f"# The model's own chat template, {template.name},",
+        f"# The model's own chat template, {_shown(Path(template.name), model_dir)},",
         "# translated into Ollama's Go template over .Messages (ugro derives it from renderings of the template and",
         "# checks it against them). A conversation that ends with an assistant message leaves that turn open for",
         "# the model to continue.",
@@ -343,20 +344,30 @@ def modelfile(gguf_name: str, model_dir: Path, *, num_ctx: int | None = None) ->
     for stop, why in stop_tokens(tokenizer, template, generation):
         lines += [f"# stop: {why}", f"PARAMETER stop {_quoted(stop)}"]
     lines.append("")
-    lines += _generation_defaults(generation, config, num_ctx)
+    lines += _generation_defaults(generation, config, num_ctx, greedy)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _generation_defaults(generation: dict[str, Any], config: dict[str, Any], num_ctx: int | None) -> list[str]:
+def _shown(path: Path, model_dir: Path) -> str:
+    """The template's file as seen from beside the model directory (merged/chat_template.jinja)."""
+    return str(path.relative_to(model_dir.parent)) if path.is_relative_to(model_dir.parent) else str(path)
+
+
+def _generation_defaults(
+    generation: dict[str, Any], config: dict[str, Any], num_ctx: int | None, greedy: bool
+) -> list[str]:
     lines = []
-    if generation.get("do_sample") is False:
+    if greedy:
+        lines += ["# temperature 0: the job answers greedily (its held-out samples, make chat)"]
+        lines += ["PARAMETER temperature 0"]
+    elif generation.get("do_sample") is False:
         lines += ["# temperature 0: generation_config.json sets do_sample false (greedy)", "PARAMETER temperature 0"]
     carried = [(key, param) for key, param in SAMPLING if generation.get(key) is not None]
     for key, param in carried:
-        if param == "temperature" and generation.get("do_sample") is False:
+        if param == "temperature" and (greedy or generation.get("do_sample") is False):
             continue
         lines += [f"# {param}: generation_config.json {key}", f"PARAMETER {param} {generation[key]}"]
-    if not carried and generation.get("do_sample") is not False:
+    if not carried and generation.get("do_sample") is not False and not greedy:
         lines.append("# generation_config.json sets no sampling defaults (temperature, top_p, top_k, "
                      "repetition_penalty): Ollama's own apply")  # fmt: skip
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
