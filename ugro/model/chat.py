@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from train.config import ConfigError
-from ugro.model.merge import base_of
+from ugro.model.merge import base_of, load_tuned
 
 COMMANDS = """\
   /base   the base model alone (adapter off)    /tuned  the fine-tuned model (adapter on)
@@ -130,18 +130,12 @@ class Conversation:
 
 
 def _load(adapter: Path, base: Path) -> tuple[Any, Any]:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # the terminal is the chat's: no loading bars, no tokenizer notices
     logging.disable_progress_bar()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = AutoTokenizer.from_pretrained(str(adapter))
-    model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32), str(adapter)
-    )
-    return model.to(device).eval(), tokenizer
+    model, tokenizer = load_tuned(adapter, base)
+    return model.to("cuda" if torch.cuda.is_available() else "cpu"), tokenizer
 
 
 def _shown(path: Path, repo: Path) -> str:

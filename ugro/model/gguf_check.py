@@ -23,16 +23,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from train import evaluate
 from train.config import JobConfig
 from train.data import IGNORE, Blocks, prepare_eval, prompt_text
+from train.distributed import RankInfo
 from ugro.model.llamacpp import LlamaCpp
 
 # f16: llama.cpp's answers must equal transformers' for at least this many tokens (or the divergence is a near tie).
 SAME_TOKENS = 16
 NEAR_TIE = 0.05  # logits: a top-two margin below this is a tie that f16 rounding may break either way
+UNQUANTIZED = ("f32", "f16", "bf16")  # read back tensor by tensor; a quantized file is judged by its loss
 # Held-out loss of a file against the merged model (relative): f16 is the merged model up to rounding, q8_0 is
 # 8-bit; q4_k_m is reported, not held to a bound.
-UNQUANTIZED = ("f32", "f16", "bf16")  # read back tensor by tensor; a quantized file is judged by its loss
 LOSS_TOLERANCE = {"f32": 0.001, "f16": 0.002, "bf16": 0.01, "q8_0": 0.01}
 
 
@@ -182,23 +184,6 @@ def held_out_loss_llama(model: LlamaModel, blocks: Blocks) -> float:
 
 
 @torch.no_grad()
-def held_out_loss_hf(model: Any, blocks: Blocks) -> float:
-    from train.step import label_tokens, summed_loss
-
-    total, count = 0.0, 0
-    for row in range(len(blocks)):
-        width = int(blocks.attention_mask[row].sum())
-        batch = {
-            "input_ids": blocks.input_ids[row : row + 1, :width],
-            "labels": blocks.labels[row : row + 1, :width],
-            "attention_mask": blocks.attention_mask[row : row + 1, :width],
-        }
-        total += float(summed_loss(model, batch))
-        count += label_tokens(batch)
-    return total / count
-
-
-@torch.no_grad()
 def greedy_hf(model: Any, ids: Sequence[int], max_new: int, eos: set[int]) -> list[int]:
     out: list[int] = []
     current = torch.tensor([list(ids)])
@@ -251,7 +236,7 @@ def compare_answers(
 def check(
     files: dict[str, Path],
     merged_dir: Path,
-    blocks: Blocks,
+    held: evaluate.HeldOut,
     prompts: list[tuple[str, list[int]]],
     llama: LlamaCpp,
     max_new: int = 2 * SAME_TOKENS,
@@ -263,8 +248,10 @@ def check(
     tokenizer = AutoTokenizer.from_pretrained(str(merged_dir))
     eos_ids = GenerationConfig.from_pretrained(str(merged_dir)).eos_token_id
     eos = set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}
-    state = {name: tensor.detach().clone() for name, tensor in merged.state_dict().items()}
-    reference_loss = held_out_loss_hf(merged, blocks)
+    state = merged.state_dict()
+    blocks = held.blocks
+    # The run's own held-out loss, computed as the run computes it, on one process of the controller.
+    reference_loss, _ = evaluate.loss(merged, held, RankInfo(0, 0, 1, "controller", torch.device("cpu")), 1)
     answers_hf = [greedy_hf(merged, ids, max_new, eos) for _, ids in prompts]
     n_ctx = max([int(blocks.attention_mask.sum(dim=1).max())] + [len(ids) + max_new for _, ids in prompts])
     reports = []
@@ -292,7 +279,7 @@ def check(
     return reference_loss, reports
 
 
-def held_out(job: JobConfig, tokenizer: Any, repo: Path) -> tuple[Blocks, list[tuple[str, list[int]]]]:
+def held_out(job: JobConfig, tokenizer: Any, repo: Path) -> tuple[evaluate.HeldOut, list[tuple[str, list[int]]]]:
     """The rows the run's held-out loss was measured on, and each record's question as the model is prompted."""
     source = job.eval.source if job.eval is not None else job.data.source
     records, blocks = prepare_eval(source, job.data, tokenizer, repo)
@@ -300,7 +287,7 @@ def held_out(job: JobConfig, tokenizer: Any, repo: Path) -> tuple[Blocks, list[t
     for record in records:
         text = prompt_text(record.fields, job.data, tokenizer)
         prompts.append((text, list(tokenizer(text, add_special_tokens=False)["input_ids"])))
-    return blocks, prompts
+    return evaluate.HeldOut(records, blocks), prompts
 
 
 def main(argv: list[str]) -> int:
@@ -312,11 +299,11 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     merged = Path(spec["merged"])
     job = JobConfig.model_validate(spec["job"])
-    blocks, prompts = held_out(job, AutoTokenizer.from_pretrained(str(merged)), Path(spec["repo"]))
+    held, prompts = held_out(job, AutoTokenizer.from_pretrained(str(merged)), Path(spec["repo"]))
     if spec.get("questions"):
         prompts = prompts[: int(spec["questions"])]
     files = {kind: Path(path) for kind, path in spec["files"].items()}
-    reference, reports = check(files, merged, blocks, prompts, LlamaCpp(Path(spec["llama"])))
+    reference, reports = check(files, merged, held, prompts, LlamaCpp(Path(spec["llama"])))
     print(json.dumps({"reference_loss": reference, "files": [r.to_dict() for r in reports]}))
     return 0
 

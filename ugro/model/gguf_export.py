@@ -53,7 +53,7 @@ def parse_types(text: str) -> tuple[str, ...]:
     return types
 
 
-def _converter_env(llama: LlamaCpp) -> dict[str, str]:
+def _converter_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)  # the converter uses the gguf-py it was written against
     return env
@@ -62,7 +62,7 @@ def _converter_env(llama: LlamaCpp) -> dict[str, str]:
 def supported_architectures(llama: LlamaCpp) -> list[str]:
     done = subprocess.run(
         [sys.executable, "-c", _LIST_ARCHITECTURES, str(llama.source)],
-        capture_output=True, text=True, timeout=300, env=_converter_env(llama), check=False,
+        capture_output=True, text=True, timeout=300, env=_converter_env(), check=False,
     )  # fmt: skip
     if done.returncode != 0:
         raise ModelError(f"llama.cpp's converter in {llama.source} does not load: {done.stderr.strip()[-2000:]}")
@@ -96,7 +96,7 @@ def convert(model_dir: Path, target: Path, kind: str, llama: LlamaCpp) -> Path:
     """One GGUF file of ``kind`` (f16, q8_0, ...) from a transformers model directory, by llama.cpp's converter."""
     partial = target.with_suffix(".partial")
     cmd = [sys.executable, str(llama.converter), str(model_dir), "--outfile", str(partial), "--outtype", kind]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=_converter_env(llama), check=False)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=_converter_env(), check=False)
     if done.returncode != 0 or not partial.is_file():
         partial.unlink(missing_ok=True)
         tail = "\n".join(done.stderr.strip().splitlines()[-12:])
@@ -226,17 +226,14 @@ def export(
     record = {"reference_loss": reference, "files": [r.to_dict() for r in reports]}
     (out / "check.json").write_text(json.dumps(record, indent=1) + "\n")
     chosen = next(files[kind] for kind in (*PREFERRED, *files) if kind in files)
-    note = None
-    target: Path | None = out / "Modelfile"
+    path = out / "Modelfile"
+    target: Path | None = path
+    note: str | None = None
     try:
-        text = modelfile.modelfile(chosen.name, merged, greedy=True)  # as the run judged its samples
+        path.write_text(modelfile.modelfile(chosen.name, merged, greedy=True))  # as the run judged its samples
     except modelfile.TemplateError as exc:  # the GGUF files stand; only Ollama's TEMPLATE needs a hand
-        note, text = str(exc), None
-    if text is None:
-        (out / "Modelfile").unlink(missing_ok=True)
-        target = None
-    else:
-        (out / "Modelfile").write_text(text)
+        path.unlink(missing_ok=True)
+        target, note = None, str(exc)
     result = GgufExport(out, files, reference, reports, target, note)
     listing = [(path.name, DESCRIBE.get(kind, kind)) for kind, path in files.items()]
     listing += [("check.json", "the checks below, every figure"), ("README.md", "this card")]
@@ -272,7 +269,7 @@ def table(result: GgufExport) -> str:
         t = r.tensors
         tensors = "(quantized)" if t is None else f"{t.exact} exact + {t.rounded} f16-rounded of {t.tensors}"
         if t is not None and t.other:
-            tensors = f"{t.other} of {t.tensors} quantized (rel. error ≤ {t.max_rel_error:.3f})"
+            tensors = f"{t.other} of {t.tensors} differ (rel. error ≤ {t.max_rel_error:.3f})"
         a = r.answers
         lines.append(
             f"| {r.path} | {r.size_mb:.0f} | {r.loss:.4f} | {r.loss_rel_diff:+.2%} | {tensors} | "

@@ -79,8 +79,8 @@ def _pip_env() -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], what: str, timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=False)
+def _run(cmd: list[str], what: str, timeout: float, env: dict[str, str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     if done.returncode != 0:
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
         raise ModelError(f"{what} failed (exit {done.returncode}):\n{tail}")
@@ -157,11 +157,11 @@ def ensure(log: Callable[[str], object] = print) -> LlamaCpp:
         started = time.monotonic()
         root.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=root.parent, prefix=".build-") as tmp:
-            staging = Path(tmp) / "root"
-            source = staging / "source"
+            staging, source = Path(tmp) / "root", Path(tmp) / "root" / "source"
+            staging.mkdir()
             with tarfile.open(sdist) as archive:
                 archive.extractall(Path(tmp), filter="data")
-            os.replace(Path(tmp) / SDIST.removesuffix(".tar.gz"), _mkdir(staging) / "source")
+            os.replace(Path(tmp) / SDIST.removesuffix(".tar.gz"), source)
             env = _pip_env() | {"CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
             # The controller's .venv has the build backend and cmake (controller lock); pip's own isolated build
             # environment would fetch unpinned ones.
@@ -187,11 +187,6 @@ def ensure(log: Callable[[str], object] = print) -> LlamaCpp:
             os.replace(staging, root)
         log(f"llama.cpp built in {record['build_s']:.0f} s, cached in {root}")
     return LlamaCpp(root)
-
-
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 if __name__ == "__main__":  # python -m ugro.model.llamacpp: build (or find) the cached llama.cpp

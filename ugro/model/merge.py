@@ -67,17 +67,20 @@ def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits.float()
 
 
-def export(adapter: Path, out: Path, repo: Path) -> Exported:
-    base_dir = base_of(adapter, repo)  # before the slow imports: a refusal comes at once
+def load_tuned(adapter: Path, base_dir: Path) -> tuple[Any, Any]:
+    """The adapter on its fp32 base (peft, in eval mode) and the tokenizer the run saved with it."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(adapter))
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter)).eval(), tokenizer
+
+
+def export(adapter: Path, out: Path, repo: Path) -> Exported:
+    base_dir = base_of(adapter, repo)  # before the slow imports: a refusal comes at once
+    model, tokenizer = load_tuned(adapter, base_dir)
     ids = tokenizer(PROBE, return_tensors="pt")["input_ids"]
-    model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32), str(adapter)
-    )
-    model.eval()
     with_adapter = _logits(model, ids)
     with model.disable_adapter():
         base = _logits(model, ids)
