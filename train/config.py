@@ -147,6 +147,13 @@ class DistributedConfig(_Strict):
         description="How long ranks wait for each other where each takes its own time: loading the model and "
         "data at the start, and the main rank writing the adapter and samples at the end.",
     )
+    regroup_timeout_s: int = Field(
+        60,
+        ge=0,
+        description="When a host is lost, how long the surviving ranks wait for the controller to name who is left "
+        "and then go on in their own processes, nothing redone (train/regroup.py); after that they fail and the "
+        "controller relaunches from a checkpoint. 0: never regroup, always relaunch.",
+    )
     grad_compression: Literal["auto", "bf16", "none"] = Field(
         "auto",
         description="Gradients are all-reduced in bf16 (half the bytes). auto: bf16 when the trainable weights are "

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from train import regroup
 from train.config import ConfigError, JobConfig
 from train.step import StepClock
 
@@ -29,6 +30,8 @@ class RankInfo:
     main_rank: int = 0  # writes metrics and checkpoints: local rank 0 of the rendezvous host
     hosts: tuple[str, ...] = ()  # the host of every rank, by rank
     attempt: int = 0  # which launch of the run this is (the controller's UGRO_ATTEMPT)
+    stores: tuple[tuple[str, str], ...] = ()  # (host, address:port of its regroup store) for every host
+    generation: int = 0  # regroups so far in this launch (train/regroup.py)
 
     @property
     def is_main(self) -> bool:
@@ -51,25 +54,59 @@ def init(timeout_s: int) -> RankInfo:
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
     host = os.environ.get("UGRO_HOST") or socket.gethostname()
-    main_rank, hosts = _roll_call(host, rank, local_rank, world)
-    return RankInfo(rank, local_rank, world, host, device, main_rank, hosts, int(os.environ.get("UGRO_ATTEMPT", "0")))
+    main_rank, hosts, stores = _roll_call(host, rank, local_rank, world)
+    attempt = int(os.environ.get("UGRO_ATTEMPT", "0"))
+    return RankInfo(rank, local_rank, world, host, device, main_rank, hosts, attempt, stores)
 
 
-def _roll_call(host: str, rank: int, local_rank: int, world: int) -> tuple[int, tuple[str, ...]]:
-    """Every rank's host, and the rank whose disk holds the run.
+_SERVERS: list[regroup.StoreServer] = []
+
+
+def _roll_call(
+    host: str, rank: int, local_rank: int, world: int
+) -> tuple[int, tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """Every rank's host, the rank whose disk holds the run, and every host's regroup store.
 
     The main rank is local rank 0 on the host the launcher marked UGRO_MAIN_HOST=1: c10d
     rendezvous numbers nodes by their address, not by inventory order, so global rank 0 may
     live on any host; checkpoints and metrics belong on the rendezvous host all the same.
+    Local rank 0 of every host opens the store a regroup would use if that host became the main one.
     """
     candidate = rank if os.environ.get("UGRO_MAIN_HOST") == "1" and local_rank == 0 else world
     if not dist.is_initialized():
-        return 0, (host,)
-    everyone: list[tuple[str, int] | None] = [None] * world
-    dist.all_gather_object(everyone, (host, candidate))
+        return 0, (host,), ()
+    if local_rank == 0 and not _SERVERS:
+        address = os.environ.get("UGRO_CLUSTER_ADDRESS") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        _SERVERS.append(regroup.StoreServer(address))
+    endpoint = _SERVERS[0].endpoint if local_rank == 0 else ""
+    everyone: list[tuple[str, int, str] | None] = [None] * world
+    dist.all_gather_object(everyone, (host, candidate, endpoint))
     entries = [e for e in everyone if e is not None]
-    chosen = min(c for _, c in entries)
-    return (chosen if chosen < world else 0), tuple(h for h, _ in entries)
+    chosen = min(c for _, c, _ in entries)
+    stores = tuple((h, e) for h, _, e in entries if e)
+    return (chosen if chosen < world else 0), tuple(h for h, _, _ in entries), stores
+
+
+def rejoin(info: RankInfo, membership: regroup.Membership, timeout_s: int) -> RankInfo:
+    """Leave the broken group and form ``membership``'s with the other survivors: this rank's new place."""
+    survivors = regroup.new_ranks(info.hosts, membership.hosts)
+    if info.rank not in survivors:
+        raise regroup.GroupLost(f"the controller left this host out of the group ({', '.join(membership.hosts)})")
+    endpoint = dict(info.stores).get(membership.main)
+    if endpoint is None:
+        raise regroup.GroupLost(f"no regroup store is known for the new main host {membership.main}")
+    store = (
+        _SERVERS[0].store if _SERVERS and membership.main == info.host else regroup.endpoint_store(endpoint, timeout_s)
+    )
+    rank = survivors.index(info.rank)
+    hosts = tuple(info.hosts[r] for r in survivors)
+    backend = "nccl" if info.device.type == "cuda" else "gloo"
+    _CONTROL.clear()
+    regroup.form(backend, store, membership.generation, rank, len(survivors), timeout_s, info.device)
+    main_rank = next(i for i, h in enumerate(hosts) if h == membership.main)
+    stores = tuple((h, e) for h, e in info.stores if h in membership.hosts)
+    return RankInfo(rank, info.local_rank, len(survivors), info.host, info.device, main_rank, hosts, info.attempt,
+                    stores, membership.generation)  # fmt: skip
 
 
 def wait_for_all(what: str, timeout_s: int) -> None:
@@ -166,7 +203,8 @@ def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.future
     """DDP communication hook: note that this rank's gradients are ready, then all-reduce them (averaged)."""
     state.clock.lap()
     hook = default_hooks.bf16_compress_hook if state.compress else default_hooks.allreduce_hook
-    return hook(state.process_group, bucket)  # type: ignore[arg-type]
+    # A new membership fails the wait at once: DDP would otherwise wait for a lost peer until the timeout.
+    return regroup.abandonable(hook(state.process_group, bucket))  # type: ignore[arg-type]
 
 
 # DDP inspects the hook's annotations as objects; `from __future__ import annotations` left strings.
@@ -208,18 +246,19 @@ def broadcast_trainable(model: torch.nn.Module, info: RankInfo, src: int = 0) ->
 
 
 def wrap(
-    model: torch.nn.Module, info: RankInfo, clock: StepClock | None = None, compress: str = "none"
+    model: torch.nn.Module, info: RankInfo, clock: StepClock | None = None, compress: str = "none", src: int = 0
 ) -> torch.nn.Module:
     """DDP over the trainable (LoRA) parameters only, with a timing (and optionally bf16) all-reduce hook.
 
     DDP's start-up sync (``init_sync``) would broadcast every parameter and buffer from rank 0, the
     frozen base included: every rank loads identical base weights from disk, and broadcasting a
     quantized 7B base would cost ~30 s on 1 GbE. It is turned off, and only the trainable
-    parameters are broadcast, once, so that every rank starts from rank 0's.
+    parameters are broadcast, once, so that every rank starts from rank ``src``'s (0 at the start; after a
+    regroup the survivor whose state the others take).
     """
     if not dist.is_initialized() or info.world_size == 1:
         return model  # one rank: nothing to synchronize, DDP would only add its bookkeeping to every step
-    broadcast_trainable(model, info)
+    broadcast_trainable(model, info, src)
     ddp = DistributedDataParallel(
         model,
         device_ids=[info.local_rank] if info.device.type == "cuda" else None,

@@ -60,11 +60,17 @@ class DataParallel(_Engine):
         self.batch_rank = info.rank  # the sampler's index of this rank's share
         self.ddp: torch.nn.Module = self.model
 
-    def start(self, saved_plan: dict[str, Any] | None) -> str:
+    def start(self, saved_plan: dict[str, Any] | None, src: int = 0) -> str:
         self.balancer = Balancer(self.job, self.info, saved_plan)
         compress = distributed.compression(self.job, self.info, self.model)
-        self.ddp = distributed.wrap(self.model, self.info, self.balancer.clock, compress)
+        self.ddp = distributed.wrap(self.model, self.info, self.balancer.clock, compress, src)
         return f"data parallel, grad_compression={compress}"
+
+    def regroup(self, info: RankInfo, src: int) -> str:
+        """Go on in the survivors' new group: DDP anew over it (from rank ``src``'s weights), shares re-planned."""
+        self.info, self.batch_rank = info, info.rank
+        self.ddp = self.model  # the broken group's DDP goes, with its reducer's hooks
+        return self.start(None, src)
 
     def train(self) -> None:
         self.ddp.train()
@@ -121,6 +127,10 @@ class Pipelined(_Engine):
         hidden = int(self.model.get_base_model().config.hidden_size)
         self.runner = pipeline.StageRunner(self.model, self.where, hidden, DTYPES[job.model.dtype], info.device)
         self.batch_rank = self.where.replica
+
+    def regroup(self, info: RankInfo, src: int) -> str:
+        """Stages are cut for the hosts that hold them: a lost stage host means a relaunch that re-cuts them."""
+        raise RuntimeError("a pipeline's stages cannot regroup in place; the controller relaunches from a checkpoint")
 
     def start(self, saved_plan: dict[str, Any] | None) -> str:
         self.balancer = Balancer(self.job, self.info, saved_plan, self.layout)

@@ -154,11 +154,13 @@ def write_rank_status(
     figures: dict[str, list[Any]],
     part: str = "the whole model",
     device: str | None = None,
+    weights: dict[str, Any] | None = None,
 ) -> None:
     """This rank's latest figures into ``hosts/<host>/rank<N>.json`` on its own host, atomically, every step:
     what the node exporter (ugro/module_utils/ugro_exporter.py) serves for the ranks of its host, what
     ``make status`` says the rank computes (``part``: the whole model, or its pipeline stage and layers), and the
-    device it computes on (``device``: train/engine.py ``device_name``, what the model card names)."""
+    device it computes on (``device``: train/engine.py ``device_name``, what the model card names); after a regroup,
+    the digest of its weights at the first step in the new group (``weights``: step and sha256)."""
 
     def own(key: str) -> Any:
         values = figures.get(key, [])
@@ -177,6 +179,7 @@ def write_rank_status(
         "tokens_per_s": own("tokens_per_s"),
         "part": part,
         "device": device,
+        "weights": weights,
         "time": time.time(),
     }
     path = run_dir / "hosts" / host / RANK_STATUS.format(rank=rank)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from train import regroup
 from train.data import IGNORE
 
 
@@ -50,7 +51,9 @@ def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        work = dist.all_reduce(value, op=dist.ReduceOp.SUM, async_op=True)
+        if work is not None:
+            regroup.wait(work)  # a lost peer fails it at once (train/regroup.py), not at the collective timeout
     return value
 
 

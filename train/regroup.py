@@ -1,0 +1,248 @@
+"""The survivors of a lost host go on in their own processes: the group they leave, the one the controller names.
+
+Every rank keeps its model, optimizer state and place in the data across a fault. When a collective fails (a peer
+reset the connection) or the controller announces a new membership, the rank abandons what is under way, waits for
+the controller's word on who is left (``hosts/<host>/membership.json``, written by ``playbooks/regroup.yml``), forms
+a new process group with the other survivors through the new main host's store, and the survivors agree on the step
+to continue from: the last one any of them completed (an optimizer step is applied only after the gradient
+all-reduce completed, which needs every rank's part; a survivor that applied it gives its state to those that did
+not). Nothing is redone and no checkpoint is read. A rank that hears nothing within ``distributed.regroup_timeout_s``
+fails as before, and the controller relaunches from a checkpoint.
+
+A rank's place: ``Watcher`` (a thread reading the membership file), ``abandonable`` (a collective's future that a
+new membership fails at once, so that no rank waits for a dead peer until the collective timeout), ``rejoin``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+MEMBERSHIP = "membership.json"
+POLL_S = 0.2
+
+
+class GroupLost(RuntimeError):
+    """The process group lost a member: a collective failed, or the controller named a new membership."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who is left, as the controller decided: generation 1 after the first regroup of a launch, 2 after the next."""
+
+    generation: int
+    hosts: tuple[str, ...]  # the surviving hosts, in the run's order
+    main: str  # the host whose local rank 0 is the main rank (and hosts the new group's store)
+
+    @classmethod
+    def read(cls, path: Path) -> Membership | None:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return cls(int(data["generation"]), tuple(str(h) for h in data["hosts"]), str(data["main"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # absent, or being replaced: the next read sees it whole
+
+
+class Watcher:
+    """Reads this host's membership file every POLL_S seconds; a newer generation fails every collective under way
+    (they may wait on a peer that is gone) and wakes a rank waiting in ``rejoin``."""
+
+    def __init__(self, run_dir: Path, host: str, attempt: int) -> None:
+        self.path = run_dir / "hosts" / host / MEMBERSHIP
+        self.attempt = attempt
+        self.generation = 0  # the group this rank is in
+        self.broken: str | None = None  # why the current group cannot be used any more
+        self._newest: Membership | None = None
+        self._pending: set[torch.futures.Future[Any]] = set()
+        self._lock = threading.RLock()  # a future's callbacks may track another
+        self._changed = threading.Event()
+        self.path.unlink(missing_ok=True)  # a membership of an earlier launch is not this one's
+        threading.Thread(target=self._watch, name="ugro-membership", daemon=True).start()
+
+    def _watch(self) -> None:
+        mtime = 0.0
+        while True:
+            time.sleep(POLL_S)
+            try:
+                stamp = self.path.stat().st_mtime
+            except OSError:
+                continue
+            if stamp == mtime:
+                continue
+            found = Membership.read(self.path)
+            if found is None:
+                continue
+            mtime = stamp
+            if found.generation > self.generation:
+                self._newest = found
+                self.fail(f"the controller named a new membership (generation {found.generation}: "
+                          f"{', '.join(found.hosts)})")  # fmt: skip
+                self._changed.set()
+
+    def fail(self, why: str) -> None:
+        """The current group is broken: every collective under way fails now."""
+        with self._lock:
+            self.broken = self.broken or why
+            pending, self._pending = self._pending, set()
+            for future in pending:
+                if not future.done():
+                    future.set_exception(GroupLost(why))
+
+    def track(self, inner: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
+        """A future that completes with ``inner``, or fails as soon as the group is declared broken."""
+        outer: torch.futures.Future[Any] = torch.futures.Future()
+
+        def done(fut: torch.futures.Future[Any]) -> None:
+            try:
+                value = fut.value()
+            except Exception as exc:  # the collective itself failed: a peer reset the connection
+                self.fail(f"a collective failed: {_first_line(exc)}")
+                with self._lock:
+                    if not outer.done():
+                        outer.set_exception(GroupLost(_first_line(exc)))
+                return
+            with self._lock:
+                self._pending.discard(outer)
+                if not outer.done():
+                    outer.set_result(value)
+
+        with self._lock:
+            if self.broken is not None:
+                outer.set_exception(GroupLost(self.broken))
+                return outer
+            self._pending.add(outer)
+        inner.add_done_callback(done)
+        return outer
+
+    def newer(self, timeout_s: float) -> Membership | None:
+        """Wait up to ``timeout_s`` for a membership newer than the current group's."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = self._newest
+            if found is not None and found.generation > self.generation:
+                return found
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._changed.wait(min(left, POLL_S))
+            self._changed.clear()
+
+    def joined(self, membership: Membership) -> None:
+        with self._lock:
+            self.generation = membership.generation
+            self.broken = None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+_WATCHER: list[Watcher] = []
+
+
+def start(run_dir: Path, host: str, attempt: int) -> Watcher:
+    """Start watching this host's membership file (once per process)."""
+    if not _WATCHER:
+        _WATCHER.append(Watcher(run_dir, host, attempt))
+    return _WATCHER[0]
+
+
+def watcher() -> Watcher | None:
+    return _WATCHER[0] if _WATCHER else None
+
+
+def abandonable(inner: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
+    """``inner`` as a future a new membership can fail (unchanged when no watcher runs: a single-host run)."""
+    watch = watcher()
+    return inner if watch is None else watch.track(inner)
+
+
+def wait(work: dist.Work) -> None:
+    """Wait for a collective started with ``async_op=True``; GroupLost if it fails or the group is declared broken."""
+    abandonable(work.get_future()).wait()
+
+
+def broken(exc: BaseException) -> bool:
+    """Whether ``exc`` ended a step because the group lost a member (then the rank may rejoin the survivors)."""
+    watch = watcher()
+    if watch is None:
+        return False
+    if isinstance(exc, GroupLost) or watch.broken is not None:
+        return True
+    if isinstance(exc, dist.DistError | ConnectionError):
+        watch.fail(f"a collective failed: {_first_line(exc)}")
+        return True
+    return False
+
+
+# -- forming the new group ----------------------------------------------------------------------------------
+
+
+class StoreServer:
+    """This host's store for a new group, listening from the start on a port of the ephemeral range (which the
+    firewall opens to the cluster's members): a regroup never waits for a server to come up."""
+
+    def __init__(self, address: str) -> None:
+        self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        self.endpoint = f"{address}:{self.store.port}"
+
+
+def endpoint_store(endpoint: str, timeout_s: float) -> dist.Store:
+    host, port = endpoint.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+
+
+def new_ranks(hosts_by_rank: tuple[str, ...], survivors: tuple[str, ...]) -> list[int]:
+    """The old ranks that go on, in order: every rank of every surviving host (their new ranks are their places)."""
+    return [rank for rank, host in enumerate(hosts_by_rank) if host in survivors]
+
+
+def form(backend: str, store: dist.Store, generation: int, rank: int, world: int, timeout_s: float,
+         device: torch.device) -> None:  # fmt: skip
+    """Leave the broken default group (without waiting for what is under way in it) and form the new one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    prefixed = dist.PrefixStore(f"ugro-regroup-{os.environ.get('UGRO_ATTEMPT', '0')}-{generation}", store)
+    dist.init_process_group(store=prefixed, rank=rank, world_size=world, **kwargs)
+
+
+def agree_step(done: int) -> tuple[int, int, int]:
+    """Collective over the new group: the step to continue from (the newest any survivor completed), the lowest
+    rank that completed it (whose state the others take), and how many ranks had not."""
+    mine = torch.tensor([done, dist.get_rank()], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    target = max(int(t[0]) for t in everyone)
+    source = min(int(t[1]) for t in everyone if int(t[0]) == target)
+    behind = sum(1 for t in everyone if int(t[0]) < target)
+    if behind:
+        log.info("regroup: %d rank(s) had not applied step %d; they take rank %d's state", behind, target, source)
+    return target, source, behind
+
+
+def share_state(optimizer: torch.optim.Optimizer, scheduler: Any, source: int) -> None:
+    """Collective: every rank takes ``source``'s optimizer and scheduler state (the weights follow with the
+    re-wrap's broadcast of the trainable parameters)."""
+    payload: list[Any] = [(optimizer.state_dict(), scheduler.state_dict())] if dist.get_rank() == source else [None]
+    dist.broadcast_object_list(payload, src=source)
+    if dist.get_rank() != source:
+        optimizer_state, scheduler_state = payload[0]
+        optimizer.load_state_dict(optimizer_state)
+        scheduler.load_state_dict(scheduler_state)
