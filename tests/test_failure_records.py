@@ -140,3 +140,34 @@ def test_one_silent_poll_is_not_a_fault_two_are() -> None:
     watch.note(stopping)
     assert watch.verdict(stopping) == "running"
     assert watch.verdict({"a": _status("stopped"), "b": _status("failed")}) == "stopped"
+
+
+def _alive(parts: dict[str, str] | None = None) -> dict:
+    return _status("running") | {"pids": {"launcher": 10, "worker-rank0": 11}, "parts": parts or {}}
+
+
+def test_the_survivors_of_a_lost_host_regroup_unless_the_fault_needs_a_relaunch() -> None:
+    hosts = ["a", "b", "c"]
+    whole = {"0": "the whole model"}
+    statuses = {"a": _alive(whole), "b": _status("lost"), "c": _alive(whole)}
+    assert recovery.regroup_survivors(statuses, hosts, "a", ["b"]) == ["a", "c"]
+    # The main host gone (the run's records live there), no host gone (a rank crashed on a host that stays up:
+    # restarted in place), a survivor whose job is not whole, or pipeline stages: a relaunch.
+    assert recovery.regroup_survivors(statuses, hosts, "b", ["b"]) is None
+    assert recovery.regroup_survivors(statuses, hosts, "a", []) is None
+    half = statuses | {"c": _status("running") | {"pids": {"launcher": 10}}}
+    assert recovery.regroup_survivors(half, hosts, "a", ["b"]) is None
+    staged = statuses | {"c": _alive({"2": "stage 2/2 of replica 0, layers 4-7"})}
+    assert recovery.regroup_survivors(staged, hosts, "a", ["b"]) is None
+
+
+def test_after_a_regroup_the_run_is_finished_once_the_main_rank_says_so_and_no_rank_runs() -> None:
+    """The survivors' torchrun agents wait at their exit barrier for the lost host's agent: only their launchers
+    are left, and the controller must not wait for them."""
+    watch = recovery.Watch(["a", "c"], main="a", regrouped=True)
+    agents_only = {"a": _status("running") | {"pids": {"launcher": 10}, "run_state": "finished"},
+                   "c": _status("running") | {"pids": {"launcher": 12}}}  # fmt: skip
+    assert watch.verdict(agents_only) == "finished"
+    ranks_left = agents_only | {"c": _status("running") | {"pids": {"launcher": 12, "worker-rank1": 13}}}
+    assert watch.verdict(ranks_left) == "running"
+    assert recovery.Watch(["a", "c"], main="a").verdict(agents_only) == "running"  # no regroup: torchrun ends

@@ -2,9 +2,10 @@
 
 One run takes three faults in a row, each once the job has clearly moved on from the last recovery:
 a worker process SIGKILLed on tb3 (the host stays up: restarted in place), every job process on tb2
-SIGKILLed (a host that died: the job goes on without it), then tb1's link cut inside its namespace (the
-rendezvous host, which holds the checkpoints: the job continues on tb2 + tb3 from the controller's copy,
-and tb2 rejoins because it answers again). The run must finish every step, record each restart with its
+SIGKILLed between two checkpoints (a host that died: the ranks on tb1 and tb3 go on in the same processes,
+nothing redone, with identical weights), then tb1's link cut inside its namespace (the rendezvous host,
+which holds the checkpoints: the job continues on tb2 + tb3 from the controller's copy, and tb2 rejoins
+because it answers again). The run must finish every step, record each restart with its
 host and cause, and end within noise of the same job run without faults. A second job with no restarts
 left ends failed with the cause and leaves nothing running.
 """
@@ -55,6 +56,12 @@ def _wait_for_step(testbed: Any, name: str, step: int, follower: subprocess.Pope
         time.sleep(0.2)
 
 
+def _rank_record(testbed: Any, job_id: str, host: str) -> dict[str, Any]:
+    """The newest rank status file on ``host``'s own disk."""
+    folder = testbed.dir / host / "opt" / "ugro" / "runs" / job_id / "hosts" / host
+    return dict(json.loads(max(folder.glob("rank*.json"), key=lambda p: p.stat().st_mtime).read_text()))
+
+
 def _follow(job: Path, cluster: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [PYTHON, "-m", "ugro.cli", "train", "--job", str(job), "--inventory", str(cluster), "--poll", "2",
@@ -87,8 +94,11 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
         job_id = _wait_for_step(testbed, "cluster-faults", 7, follower)
         assert tb.kill_processes(testbed.dir, "tb3", WORKER), "no worker process on tb3"
         _wait_for_step(testbed, "cluster-faults", 14, follower)
+        before = {h: tb.host_processes(testbed.dir, h, WORKER) for h in ("tb1", "tb3")}
         assert tb.kill_processes(testbed.dir, "tb2", f"/opt/ugro/runs/{job_id}"), "no job process on tb2"
         _wait_for_step(testbed, "cluster-faults", 21, follower)
+        survivors = {h: tb.host_processes(testbed.dir, h, WORKER) for h in ("tb1", "tb3")}
+        weights = [_rank_record(testbed, job_id, h)["weights"] for h in ("tb1", "tb3")]
         tb.set_link(testbed.dir, "tb1", up=False)
         out, _ = follower.communicate(timeout=600)
     finally:
@@ -108,7 +118,13 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
     # tb3 stayed in (restarted in place), tb2 was left out once and rejoined, tb1 was left out after its link went.
     assert [r["hosts_after"] for r in restarts] == [["tb1", "tb2", "tb3"], ["tb1", "tb3"], ["tb2", "tb3"]]
     assert [r["rendezvous"] for r in restarts] == ["tb1", "tb1", "tb2"]
-    assert all(r["steps_redone"] <= EVERY for r in restarts[:2]), restarts
+    assert [r["how"] for r in restarts] == ["relaunch", "regroup", "relaunch"]
+    assert restarts[0]["steps_redone"] <= EVERY, restarts
+    # Without tb2, the ranks on tb1 and tb3 went on in the processes they had, from the step they had reached,
+    # with the same weights.
+    assert survivors == before and all(before.values()), (before, survivors)
+    assert restarts[1]["steps_redone"] == 0 and restarts[1]["resumed_from_step"] >= 14, restarts[1]
+    assert weights[0] == weights[1] and weights[0] is not None, weights
     # tb2 and tb3 never held a checkpoint (no replicas): the last relaunch continued from the controller's copy.
     assert restarts[2]["resumed_from_step"] == restarts[2]["checkpoint_step"] > 0
     assert record["state"] == "finished" and record["hosts"] == ["tb2", "tb3"]

@@ -39,7 +39,7 @@ ATTEMPT = "attempt"
 # Each failed rank's cause, one JSON line each (train/failure.py FAILURES).
 FAILURES = "failures.jsonl"
 PROGRESS_KEYS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s")
-RUN_KEYS = ("last_checkpoint", "resumed", "cause")
+RUN_KEYS = ("last_checkpoint", "resumed", "regrouped", "cause")
 
 
 def psutil_missing(host: str, module: str) -> str:

@@ -56,6 +56,9 @@ class Restart:
     steps_redone: int | None = None
     steps_redone_estimated: bool = False  # no poll saw the first step: from the checkpoint, not the ranks' record
     recovered_after_s: float | None = None
+    how: str = "relaunch"  # relaunch (from a checkpoint) or regroup (the survivors went on in their processes)
+    membership_s: float | None = None  # regroup: the controller telling the survivors who is left
+    regroup_s: float | None = None  # regroup: the ranks' own, from the collective that failed to the new group
 
     @property
     def settled(self) -> bool:
@@ -71,7 +74,8 @@ class Restart:
         redone)``."""
         redone = "?" if self.steps_redone is None else str(self.steps_redone)
         start = "?" if self.resumed_from_step is None else str(self.resumed_from_step)
-        return (f"restart {self.attempt}: {self.cause.line()} -> relaunched on {', '.join(self.hosts_after)} "
+        done = "regrouped" if self.how == "regroup" else "relaunched"
+        return (f"restart {self.attempt}: {self.cause.line()} -> {done} on {', '.join(self.hosts_after)} "
                 f"from step {start} ({redone} steps redone)")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:

@@ -29,6 +29,8 @@ class Watch:
 
     hosts: list[str]
     silent: dict[str, int] = field(default_factory=dict)  # host -> polls in a row without an answer
+    main: str = ""
+    regrouped: bool = False  # the launch lost a host and went on without it (its agents wait for it at the end)
 
     def note(self, statuses: Statuses) -> None:
         for host in self.hosts:
@@ -51,7 +53,17 @@ class Watch:
             return "fault"
         if all(s == "finished" for s in states.values()):
             return "finished"
+        if self.regrouped and _finished_without_workers(statuses, self.hosts, self.main):
+            return "finished"
         return "running"
+
+
+def _finished_without_workers(statuses: Statuses, hosts: list[str], main: str) -> bool:
+    """The main rank recorded the run finished and no rank runs anywhere: after a regroup, torchrun's agents on the
+    survivors wait at their exit barrier for the lost host's agent, which never comes."""
+    if statuses.get(main, {}).get("run_state") != "finished":
+        return False
+    return not any(name.startswith("worker") for h in hosts for name in statuses.get(h, {}).get("pids") or {})
 
 
 def _records(statuses: Statuses, hosts: Iterable[str]) -> list[dict[str, Any]]:
@@ -109,6 +121,22 @@ def blamed(statuses: Statuses, hosts: list[str], unreachable: Iterable[str]) -> 
     A host with a crashed rank but a live launcher stays: its rank is restarted in place."""
     gone = set(unreachable) | {h for h in hosts if statuses.get(h, {}).get("state") in ("lost", "absent")}
     return [h for h in hosts if h in gone]
+
+
+def regroup_survivors(statuses: Statuses, hosts: list[str], main: str, gone: list[str]) -> list[str] | None:
+    """The hosts that can go on in their own processes without ``gone`` (train/regroup.py), or None when the
+    fault needs a relaunch: no host is gone (a rank crashed on a host that stays up), the main host is gone
+    (the run's records live there), a survivor's job is not running whole, or the ranks hold pipeline stages."""
+    survivors = [h for h in hosts if h not in gone]
+    if not gone or not survivors or main in gone:
+        return None
+    for host in survivors:
+        status = statuses.get(host, {})
+        if status.get("state") != "running" or not any(n.startswith("worker") for n in status.get("pids") or {}):
+            return None
+        if any(part != "the whole model" for part in (status.get("parts") or {}).values()):
+            return None
+    return survivors
 
 
 def rendezvous_for(hosts: list[str], preferred: str) -> str:

@@ -110,8 +110,10 @@ class Supervisor:
         for host, problem in self.copies.push(replica_hosts, main, records=False).items():
             self.console.print(f"[yellow]replica of {name} on {host} failed:[/] {problem}", highlight=False)
 
-    def _follow(self, attempt: int, hosts: list[str], main: str) -> tuple[str, Statuses, recovery.Watch, int]:
-        watch = recovery.Watch(hosts)
+    def _follow(
+        self, attempt: int, hosts: list[str], main: str, generation: int
+    ) -> tuple[str, Statuses, recovery.Watch, int]:
+        watch = recovery.Watch(hosts, main=main, regrouped=generation > 0)
         seen: dict[str, Any] = {"step": 0, "verdict": "running"}
         source = self._source(hosts, main)
 
@@ -119,9 +121,8 @@ class Supervisor:
             watch.note(statuses)
             main_status = dict(statuses.get(main, {}))
             seen["step"] = max(seen["step"], int(main_status.get("step") or 0))
-            resumed = main_status.get("resumed") or {}
-            if self.restarts and not self.restarts[-1].settled and resumed.get("attempt") == attempt:
-                self._close_restart(resumed)
+            if self.restarts and not self.restarts[-1].settled:
+                self._settle_when_seen(main_status, attempt, generation)
             if self.cluster.remote and main_status.get("state") == "running":
                 self._replicate(main, main_status, hosts)
             seen["verdict"] = watch.verdict(statuses)
@@ -130,23 +131,38 @@ class Supervisor:
         statuses = follow(source, self.console, self.poll_s, until)
         return str(seen["verdict"]), statuses, watch, int(seen["step"])
 
-    def _settle_restart(self, attempt: int, main_status: dict[str, Any]) -> None:
+    def _settle_when_seen(self, main_status: dict[str, Any], attempt: int, generation: int) -> bool:
+        """The main rank's record of the relaunch's resume (or of the survivors' regroup) closes the last restart."""
+        restart = self.restarts[-1]
+        if restart.how == "regroup":
+            record = main_status.get("regrouped") or {}
+            if record.get("attempt") != attempt or record.get("generation") != generation:
+                return False
+            restart.regroup_s = record.get("seconds")
+        else:
+            record = main_status.get("resumed") or {}
+            if record.get("attempt") != attempt:
+                return False
+        restart.settle(int(record.get("from_step") or 0), int(record.get("last_step_logged") or 0))
+        restart.recovered_after_s = round(time.time() - restart.time, 1)
+        return True
+
+    def _settle_restart(self, attempt: int, generation: int, main_status: dict[str, Any]) -> None:
         """Before the next fault or the end: a restart whose first step no poll saw gets its figures now, from the
         main host's record if it answers, else estimated from the checkpoint the relaunch was given."""
         if not self.restarts or self.restarts[-1].settled:
             return
-        resumed = main_status.get("resumed") or {}
-        if resumed.get("attempt") == attempt:
-            self._close_restart(resumed)
+        if self._settle_when_seen(main_status, attempt, generation):
             return
         restart = self.restarts[-1]
         restart.settle(restart.checkpoint_step or 0, 0, estimated=True)
 
-    def _close_restart(self, resumed: dict[str, Any]) -> None:
-        """The relaunch reached its first step: how many steps it redoes, and how long recovery took."""
-        restart = self.restarts[-1]
-        restart.settle(int(resumed.get("from_step") or 0), int(resumed.get("last_step_logged") or 0))
-        restart.recovered_after_s = round(time.time() - restart.time, 1)
+    def _regroup(self, hosts: list[str], main: str, generation: int) -> dict[str, str]:
+        """Tell the survivors who is left (playbooks/regroup.yml); host -> why it could not be told."""
+        membership = {"generation": generation, "hosts": hosts, "main": main}
+        extravars = {"ugro_job_id": self.run_dir.name, "ugro_membership": membership}
+        run = run_playbook("regroup.yml", self.inventory, extravars, self.private, limit=hosts)
+        return dict(run.failures)
 
     # -- the whole run ------------------------------------------------------------------------------------
 
@@ -164,15 +180,15 @@ class Supervisor:
         """Launch, follow and recover until the run finishes, is stopped, or fails for good.
         Raises LaunchError if the first launch fails (nothing ran); ``on_started`` runs once it started."""
         hosts, main = list(self.cluster.hosts), self.cluster.rendezvous
-        attempt = 0
+        attempt, generation, relaunch = 0, 0, True
         if resume:
             self.copies.place(hosts, main)
         while True:
             began = time.time()
-            launch = self._launch(attempt, hosts, main, resume or attempt > 0)
-            if self.restarts:
+            launch = self._launch(attempt, hosts, main, resume or attempt > 0) if relaunch else None
+            if self.restarts and relaunch:
                 self.restarts[-1].launch_s = round(time.time() - began, 1)
-            if not launch.ok:
+            if launch is not None and not launch.ok:
                 if attempt == 0:
                     raise LaunchError(launch)
                 # A relaunch that cannot start somewhere: leave those hosts out and try again.
@@ -181,13 +197,15 @@ class Supervisor:
                 statuses: Statuses = {h: {"state": "unreachable", "error": m} for h, m in launch.failures.items()}
                 gone, last_step, last_checkpoint = list(launch.failures), 0, None
             else:
-                if attempt == 0 and on_started is not None:
+                if attempt == 0 and relaunch and on_started is not None:
                     on_started()
-                verdict, statuses, watch, last_step = self._follow(attempt, hosts, main)
+                verdict, statuses, watch, last_step = self._follow(attempt, hosts, main, generation)
                 last_checkpoint = _step_of(statuses.get(main, {}).get("last_checkpoint"))
-                self._settle_restart(attempt, dict(statuses.get(main, {})))
+                self._settle_restart(attempt, generation, dict(statuses.get(main, {})))
                 if verdict in ("finished", "stopped"):
                     self._copies_settled()
+                    if generation:  # the survivors' torchrun agents wait for the lost host's at their exit barrier
+                        self._stop([h for h in hosts if statuses.get(h, {}).get("pids")], main)
                     return Outcome(verdict, statuses, hosts, main, restarts=self.restarts)
                 unreachable = watch.unreachable(polls=1)
                 cause = recovery.root_cause(statuses, hosts, unreachable) or Cause(
@@ -196,6 +214,25 @@ class Supervisor:
                 gone = recovery.blamed(statuses, hosts, unreachable)
             self.console.print(f"[bold red]failure:[/] {cause.line()}", highlight=False)
             detected = time.time()
+            survivors = self._survivors(statuses, hosts, main, gone, cause)
+            if survivors is not None:
+                unanswered = self._regroup(survivors, main, generation + 1)
+                if not unanswered:
+                    generation += 1
+                    self.restarts.append(Restart(
+                        attempt=len(self.restarts) + 1, time=round(detected, 3), cause=cause, hosts_before=hosts,
+                        hosts_after=survivors, left_out=[h for h in self.cluster.hosts if h not in survivors],
+                        rendezvous=main, checkpoint_step=None, last_step_seen=last_step, how="regroup",
+                        membership_s=round(time.time() - detected, 1),
+                    ))  # fmt: skip
+                    self.console.print(
+                        f"[bold yellow]restart {len(self.restarts)}/{self.job.train.max_restarts}:[/] the ranks on "
+                        f"{', '.join(survivors)} go on without {', '.join(gone)} (no relaunch)",
+                        highlight=False,
+                    )
+                    hosts, relaunch = survivors, False
+                    continue
+                self.console.print(f"[yellow]regroup not possible, relaunching:[/] {unanswered}", highlight=False)
             if main not in gone:  # a copy from a host that is gone would only wait for its SSH timeout
                 self._copies_settled()
             # Whatever is left of the job stops now (torchrun's survivors would wait for the lost peer): on the
@@ -204,7 +241,7 @@ class Supervisor:
             ended = {h for h in hosts if statuses.get(h, {}).get("state") in ENDED and not statuses[h].get("pids")}
             unanswered = self._stop([h for h in self.cluster.hosts if h not in gone and h not in ended], main)
             stopped = time.time()
-            problem = self._give_up(cause, attempt)
+            problem = self._give_up(cause)
             candidates = [h for h in self.cluster.hosts if h not in gone and h not in unanswered]
             if problem is None and len(candidates) < self.job.train.min_hosts:
                 problem = (
@@ -217,9 +254,9 @@ class Supervisor:
             new_main = recovery.rendezvous_for(candidates, self.cluster.rendezvous)
             # The main host keeps its own checkpoints; a new one gets the newest intact copy from wherever it is.
             step = last_checkpoint if new_main == main else self.copies.place(candidates, new_main)[0]
-            attempt += 1
+            attempt, generation, relaunch = attempt + 1, 0, True
             self.restarts.append(Restart(
-                attempt=attempt,
+                attempt=len(self.restarts) + 1,
                 time=round(detected, 3),
                 cause=cause,
                 hosts_before=hosts,
@@ -232,19 +269,30 @@ class Supervisor:
                 place_checkpoint_s=round(time.time() - stopped, 1),
             ))  # fmt: skip
             self.console.print(
-                f"[bold yellow]restart {attempt}/{self.job.train.max_restarts}:[/] relaunching on "
+                f"[bold yellow]restart {len(self.restarts)}/{self.job.train.max_restarts}:[/] relaunching on "
                 f"{', '.join(candidates)} (rendezvous {new_main}) from "
                 f"{f'checkpoint step {step}' if step is not None else 'step 0 (no intact checkpoint)'}",
                 highlight=False,
             )
             hosts, main = candidates, new_main
 
-    def _give_up(self, cause: Cause, attempt: int) -> str | None:
+    def _give_up(self, cause: Cause) -> str | None:
         if cause.kind in recovery.NOT_RESTARTABLE:
             return f"a {cause.kind} failure would happen again on a relaunch"
-        if attempt >= self.job.train.max_restarts:
-            return f"restarts exhausted ({attempt} of train.max_restarts={self.job.train.max_restarts})"
+        if len(self.restarts) >= self.job.train.max_restarts:
+            return f"restarts exhausted ({len(self.restarts)} of train.max_restarts={self.job.train.max_restarts})"
         return None
+
+    def _survivors(
+        self, statuses: Statuses, hosts: list[str], main: str, gone: list[str], cause: Cause
+    ) -> list[str] | None:
+        """The hosts whose ranks go on without a relaunch, or None when this fault needs one."""
+        if self.job.distributed.regroup_timeout_s == 0 or self._give_up(cause) is not None:
+            return None
+        survivors = recovery.regroup_survivors(statuses, hosts, main, gone)
+        if survivors is None or len(survivors) < self.job.train.min_hosts:
+            return None
+        return survivors
 
 
 def _step_of(checkpoint: object) -> int | None:
