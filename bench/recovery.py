@@ -118,6 +118,7 @@ def main() -> int:
                           f"{seconds - sum(spent):.1f}", str(restart.get("steps_redone")))  # fmt: skip
         console.print(table)
         console.print(f"final hosts {record['hosts']}, rendezvous {record['rendezvous']}; run {REPO / 'runs' / job_id}")
+        console.print(f"the first launch's phases (s): {json.dumps(record.get('launch_phases'))}", highlight=False)
         kill, cut_restart = figures[1], figures[2]
         result = {
             "launch_to_first_step_s": round(first, 1),

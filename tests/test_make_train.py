@@ -68,6 +68,13 @@ def test_the_documented_make_lines_work_as_typed_on_a_real_run(
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
     assert (run_dir / "hosts" / "localhost" / "exit_code").read_text().strip() == "0"
     assert len(list((run_dir / "logs").glob("*-rank*.log"))) == 2  # 2 CPU processes, gloo
+    # Where the seconds to the first step went, printed and recorded: the controller's, the launch playbook's
+    # and the ranks' own phases add up to the total.
+    phases = json.loads((run_dir / "run.json").read_text())["launch_phases"]
+    assert {"controller start", "launch", "ranks' start (imports, model, data)", "first step"} <= set(phases)
+    total = phases.pop("total: make train -> first step")
+    assert all(v >= 0 for v in phases.values()) and abs(sum(phases.values()) - total) < 0.1, phases
+    assert "to the first step: controller start" in " ".join(result.stdout.split())
 
     # status, stop and RESUME=auto are typed through make on the test cluster (tests/test_cluster.py).
     job_id = f"JOB_ID={run_dir.name}"

@@ -98,7 +98,7 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
         assert tb.kill_processes(testbed.dir, "tb2", f"/opt/ugro/runs/{job_id}"), "no job process on tb2"
         _wait_for_step(testbed, "cluster-faults", 21, follower)
         survivors = {h: tb.host_processes(testbed.dir, h, WORKER) for h in ("tb1", "tb3")}
-        weights = [_rank_record(testbed, job_id, h)["weights"] for h in ("tb1", "tb3")]
+        weights = [_rank_record(testbed, job_id, h)["regrouped"]["weights"] for h in ("tb1", "tb3")]
         tb.set_link(testbed.dir, "tb1", up=False)
         out, _ = follower.communicate(timeout=600)
     finally:

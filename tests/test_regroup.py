@@ -18,9 +18,13 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from helpers import PYTHON, REPO, free_port, run_env, write_job
 
 from train.metrics import read_metrics
+
+# Real torchrun and ranks (the `torchrun` marker: not in the fast tier).
+pytestmark = pytest.mark.usefixtures("torchrun")
 
 HOSTS = ("h1", "h2", "h3", "h4")
 STEPS = 24
@@ -102,7 +106,8 @@ def test_survivors_of_kills_during_the_all_reduce_and_the_optimizer_step_go_on_i
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step once: nothing redone
     assert all(r["loss"] == r["loss"] for r in rows)
-    weights = {h: json.loads(next((run_dir / "hosts" / h).glob("rank*.json")).read_text())["weights"] for h in left}
+    records = {h: json.loads(next((run_dir / "hosts" / h).glob("rank*.json")).read_text()) for h in left}
+    weights = {h: record["regrouped"]["weights"] for h, record in records.items()}
     assert weights["h1"] == weights["h3"] and weights["h1"]["step"] > 12, weights
     logs = {h: (run_dir / "logs").glob(f"{h}-rank*.log") for h in left}
     text = "\n".join(p.read_text() for paths in logs.values() for p in paths)

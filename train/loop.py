@@ -37,12 +37,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Progress:
-    """The optimizer steps done so far, for the failure record of a rank that stops mid-run; after a regroup, the
-    digest of this rank's weights at the first step in the new group (every survivor's must be the same)."""
+    """The optimizer steps done so far, for the failure record of a rank that stops mid-run; after a regroup, what
+    the rank's status file says of it, with the digest of its weights at the first step in the new group (every
+    survivor's must be the same)."""
 
     step: int | None = None
     weights_due: bool = False
-    weights: dict[str, Any] | None = None
+    regrouped: dict[str, Any] | None = None  # the last regroup, with the weights' digest once a step ran after it
 
 
 def weights_digest(params: list[torch.nn.Parameter]) -> str:
@@ -83,8 +84,10 @@ def _regroup(
     how = trainer.regroup(new, source)
     if new.rank != info.rank:
         (run_dir / "hosts" / info.host / RANK_STATUS.format(rank=info.rank)).unlink(missing_ok=True)
-    progress.step, progress.weights_due = target, True
     seconds = round(time.time() - began, 2)
+    progress.step, progress.weights_due = target, True
+    progress.regrouped = {"generation": membership.generation, "attempt": new.attempt, "from_step": target,
+                          "seconds": seconds}  # fmt: skip
     log.info("regroup %d: rank %d of %d on %s, from step %d (%d step(s) applied by a survivor only), in %.2f s: %s",
              membership.generation, new.rank, new.world_size, ", ".join(membership.hosts), target, target - done,
              seconds, how)  # fmt: skip
@@ -116,6 +119,8 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     data = _data_facts(job, code_dir, blocks.records, held_out) if info.is_main else None  # hashing: inside the wait
     # Loading takes each host its own time; from here on collectives wait at most distributed.timeout_s.
     distributed.wait_for_all("the model and data are loaded", job.distributed.startup_timeout_s)
+    # Where a launch's seconds go (the controller prints them with its own: ugro/run/phases.py).
+    phases = {"loaded": time.time()}
     sampler = GlobalBatchSampler(len(blocks), job.train.global_batch_size, job.train.seed)
     trainable = trainer.trainable
     optimizer = torch.optim.AdamW(
@@ -213,13 +218,16 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         optimizer.zero_grad(set_to_none=True)
         done = progress.step = step + 1
         figures = rank_figures(info.hosts, shares, balancer.clock.gathered, balancer.clock.gathered_tokens)
-        if progress.weights_due:  # the first step after a regroup: the survivors' weights, to compare
-            progress.weights, progress.weights_due = {"step": done, "sha256": weights_digest(trainable)}, False
+        if progress.weights_due and progress.regrouped is not None:  # the survivors' weights, to compare
+            progress.regrouped["weights"] = {"step": done, "sha256": weights_digest(trainable)}
+            progress.weights_due = False
         write_rank_status(run_dir, info.host, info.rank, done, job.train.max_steps, loss, figures, part, device,
-                          progress.weights)  # fmt: skip
+                          progress.regrouped)  # fmt: skip
 
         if writer is not None:
             row = writer.log(done, loss, tokens, lr, grad_norm, sampler.epoch_of(done), figures)
+            if done == start + 1:
+                write_status(run_dir, phases=phases | {"first_step": row["time"]})
             if done % job.train.log_every == 0 or done in (start + 1, job.train.max_steps):
                 log.info(
                     "step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f ranks ready after %s s",

@@ -154,13 +154,14 @@ def write_rank_status(
     figures: dict[str, list[Any]],
     part: str = "the whole model",
     device: str | None = None,
-    weights: dict[str, Any] | None = None,
+    regrouped: dict[str, Any] | None = None,
 ) -> None:
     """This rank's latest figures into ``hosts/<host>/rank<N>.json`` on its own host, atomically, every step:
     what the node exporter (ugro/module_utils/ugro_exporter.py) serves for the ranks of its host, what
     ``make status`` says the rank computes (``part``: the whole model, or its pipeline stage and layers), and the
     device it computes on (``device``: train/engine.py ``device_name``, what the model card names); after a regroup,
-    the digest of its weights at the first step in the new group (``weights``: step and sha256)."""
+    its generation, attempt, the step it continued from, and the digest of the rank's weights at the first step in
+    the new group (``regrouped``; the controller settles the restart from it when the main host cannot answer)."""
 
     def own(key: str) -> Any:
         values = figures.get(key, [])
@@ -179,7 +180,7 @@ def write_rank_status(
         "tokens_per_s": own("tokens_per_s"),
         "part": part,
         "device": device,
-        "weights": weights,
+        "regrouped": regrouped,
         "time": time.time(),
     }
     path = run_dir / "hosts" / host / RANK_STATUS.format(rank=rank)

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from train.config import ConfigError, JobConfig, load_job
-from train.metrics import read_eval, read_metrics, read_samples
+from train.metrics import read_eval, read_metrics, read_samples, write_status
 from train.stageplan import PlanError
 from ugro.checks import doctor, jobcheck, ranks
 from ugro.checks import plan as stageplan
@@ -35,6 +35,8 @@ from ugro.checks.preflight_checks import Thresholds, lock_cuda
 from ugro.hosts import codesync
 from ugro.hosts.inventory import InventoryError, read_cluster
 from ugro.hosts.playbook import REPO, RUNS_ENV, PlaybookRun, run_playbook, runs_dir
+from ugro.model.jsonfile import read_object
+from ugro.run import phases
 from ugro.run.supervisor import LaunchError, Supervisor
 from ugro.schedulers import render as schedulers
 from ugro.stack import cuda as stack
@@ -270,6 +272,8 @@ def train(
     ] = False,
 ) -> None:
     """Sync the code, launch the job on every host of the inventory, and follow it to the end."""
+    timing = phases.Phases()
+    timing.mark("controller start")
     if resume not in ("none", "auto"):
         raise _fail(f"--resume must be 'none' or 'auto', not '{resume}'")
     job = _load(job_file)
@@ -288,10 +292,12 @@ def train(
                     f"keep their runs in {REPO / 'runs'}; unset {RUNS_ENV} for them")  # fmt: skip
     _prepare_model(job)
     planned = {} if skip_preflight else _fast_preflight(inventory, job, job_file)
+    timing.mark("preflight")
     job_id = _pick_run(job, resume, runs)
     run_dir = runs / job_id
     control = run_dir / ".control"
     code_hash = codesync.pack(REPO, control / "code.tar.gz")
+    timing.mark("code archive")
     extravars = {
         "ugro_job_id": job_id,
         "ugro_job_file": _relative_to_repo(job_file),
@@ -318,6 +324,10 @@ def train(
     collect = {"ugro_job_id": job_id, "ugro_rendezvous_host": outcome.main, "ugro_runs_dir": str(runs)}
     run_playbook("logs.yml", inventory, collect, control / "ansible", limit=outcome.hosts)
     outcome.record().write(run_dir)
+    ranks_phases = read_object(run_dir / "run.json").get("phases")  # the main rank's, collected with the logs
+    seconds = timing.seconds(supervisor.first_launch, ranks_phases if isinstance(ranks_phases, dict) else None)
+    write_status(run_dir, launch_phases=seconds)
+    console.print(f"[dim]to the first step: {phases.line(seconds)}[/]", highlight=False)
     for restart in outcome.restarts:
         console.print(f"[yellow]{restart.line()}[/]", highlight=False)
     if outcome.state != "finished":

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ class PlaybookRun:
     tasks: list[str] = field(default_factory=list)
     facts: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> facts the play set
     hosts: list[str] = field(default_factory=list)
+    role_ends: dict[str, float] = field(default_factory=dict)  # role ("" outside roles) -> its last task result
 
     def wait(self) -> None:
         if self.thread is not None:
@@ -115,6 +117,8 @@ def start_playbook(
             run.hosts.append(host)
         if kind == "runner_on_ok" and host:
             run.facts.setdefault(host, {}).update(data.get("res", {}).get("ansible_facts", {}))
+        if kind.startswith("runner_on_"):
+            run.role_ends[str(data.get("role") or "")] = time.time()
         if kind in ("runner_on_ok", "runner_on_failed"):  # tasks that ran (skipped ones stay quiet)
             name = data.get("task", "")
             if name not in run.tasks:

@@ -137,6 +137,19 @@ def parts(run_dir: Path, host: str) -> dict[str, str]:
     return found
 
 
+def rank_regrouped(run_dir: Path, host: str) -> dict[str, Any] | None:
+    """The newest regroup this host's ranks went through (their status files' ``regrouped``), or None."""
+    found: list[dict[str, Any]] = []
+    for path in sorted((run_dir / "hosts" / host).glob("rank*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("regrouped"), dict):
+            found.append(record["regrouped"])
+    return max(found, key=lambda r: (r.get("attempt") or 0, r.get("generation") or 0), default=None)
+
+
 def status(run_dir: Path, host: str, main: bool) -> dict[str, Any]:
     """state: running / finished / failed / stopped / lost / absent, exit code, live pids; on the main host
     (the one that keeps the metrics) the last step, loss, tokens/s and ETA, and run.json's state and error."""
@@ -158,7 +171,8 @@ def status(run_dir: Path, host: str, main: bool) -> dict[str, Any]:
         state = "lost"  # no process and no exit code: killed with SIGKILL or the host rebooted
     attempt = _read_int(host_dir / ATTEMPT)
     result.update(state=state, exit_code=exit_code, pids=pids, attempt=attempt, ranks=ranks(run_dir, host),
-                  failures=failures(run_dir, host, attempt), parts=parts(run_dir, host))  # fmt: skip
+                  failures=failures(run_dir, host, attempt), parts=parts(run_dir, host),
+                  rank_regrouped=rank_regrouped(run_dir, host))  # fmt: skip
     if main:
         last = last_metrics(run_dir)
         if last is not None:

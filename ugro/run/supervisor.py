@@ -69,6 +69,7 @@ class Supervisor:
         self.restarts: list[Restart] = []
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ugro-checkpoint-copy")
         self._copying: Future[None] | None = None
+        self.first_launch: PlaybookRun | None = None  # its events time the launch's phases (ugro/run/phases.py)
 
     def _copies_settled(self) -> None:
         """Wait for a checkpoint copy under way (a fault must not race it)."""
@@ -122,7 +123,7 @@ class Supervisor:
             main_status = dict(statuses.get(main, {}))
             seen["step"] = max(seen["step"], int(main_status.get("step") or 0))
             if self.restarts and not self.restarts[-1].settled:
-                self._settle_when_seen(main_status, attempt, generation)
+                self._settle_when_seen(statuses, main, attempt, generation)
             if self.cluster.remote and main_status.get("state") == "running":
                 self._replicate(main, main_status, hosts)
             seen["verdict"] = watch.verdict(statuses)
@@ -131,12 +132,16 @@ class Supervisor:
         statuses = follow(source, self.console, self.poll_s, until)
         return str(seen["verdict"]), statuses, watch, int(seen["step"])
 
-    def _settle_when_seen(self, main_status: dict[str, Any], attempt: int, generation: int) -> bool:
-        """The main rank's record of the relaunch's resume (or of the survivors' regroup) closes the last restart."""
+    def _settle_when_seen(self, statuses: Statuses, main: str, attempt: int, generation: int) -> bool:
+        """The ranks' record of the relaunch's resume (or of the survivors' regroup) closes the last restart: the main
+        rank's in run.json, or for a regroup any survivor's own (the main host may be gone by the next poll)."""
         restart = self.restarts[-1]
+        main_status = statuses.get(main, {})
         if restart.how == "regroup":
-            record = main_status.get("regrouped") or {}
-            if record.get("attempt") != attempt or record.get("generation") != generation:
+            found = [main_status.get("regrouped")] + [s.get("rank_regrouped") for s in statuses.values()]
+            records = [r for r in found if isinstance(r, dict)]
+            record = next((r for r in records if r.get("attempt") == attempt and r.get("generation") == generation), {})
+            if not record:
                 return False
             restart.regroup_s = record.get("seconds")
         else:
@@ -147,12 +152,12 @@ class Supervisor:
         restart.recovered_after_s = round(time.time() - restart.time, 1)
         return True
 
-    def _settle_restart(self, attempt: int, generation: int, main_status: dict[str, Any]) -> None:
+    def _settle_restart(self, attempt: int, generation: int, statuses: Statuses, main: str) -> None:
         """Before the next fault or the end: a restart whose first step no poll saw gets its figures now, from the
-        main host's record if it answers, else estimated from the checkpoint the relaunch was given."""
+        ranks' record if a host answers with it, else estimated from the checkpoint the relaunch was given."""
         if not self.restarts or self.restarts[-1].settled:
             return
-        if self._settle_when_seen(main_status, attempt, generation):
+        if self._settle_when_seen(statuses, main, attempt, generation):
             return
         restart = self.restarts[-1]
         restart.settle(restart.checkpoint_step or 0, 0, estimated=True)
@@ -186,6 +191,7 @@ class Supervisor:
         while True:
             began = time.time()
             launch = self._launch(attempt, hosts, main, resume or attempt > 0) if relaunch else None
+            self.first_launch = self.first_launch or launch
             if self.restarts and relaunch:
                 self.restarts[-1].launch_s = round(time.time() - began, 1)
             if launch is not None and not launch.ok:
@@ -201,7 +207,7 @@ class Supervisor:
                     on_started()
                 verdict, statuses, watch, last_step = self._follow(attempt, hosts, main, generation)
                 last_checkpoint = _step_of(statuses.get(main, {}).get("last_checkpoint"))
-                self._settle_restart(attempt, generation, dict(statuses.get(main, {})))
+                self._settle_restart(attempt, generation, statuses, main)
                 if verdict in ("finished", "stopped"):
                     self._copies_settled()
                     if generation:  # the survivors' torchrun agents wait for the lost host's at their exit barrier
@@ -219,11 +225,12 @@ class Supervisor:
                 unanswered = self._regroup(survivors, main, generation + 1)
                 if not unanswered:
                     generation += 1
+                    told = time.time()
                     self.restarts.append(Restart(
                         attempt=len(self.restarts) + 1, time=round(detected, 3), cause=cause, hosts_before=hosts,
                         hosts_after=survivors, left_out=[h for h in self.cluster.hosts if h not in survivors],
                         rendezvous=main, checkpoint_step=None, last_step_seen=last_step, how="regroup",
-                        membership_s=round(time.time() - detected, 1),
+                        membership_s=round(told - detected, 1),
                     ))  # fmt: skip
                     self.console.print(
                         f"[bold yellow]restart {len(self.restarts)}/{self.job.train.max_restarts}:[/] the ranks on "
