@@ -226,7 +226,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
 
         if writer is not None:
             row = writer.log(done, loss, tokens, lr, grad_norm, sampler.epoch_of(done), figures)
-            if done == start + 1:
+            if done == start + 1 and info.attempt == 0:  # the first launch's (a relaunch's are in its restart)
                 write_status(run_dir, phases=phases | {"first_step": row["time"]})
             if done % job.train.log_every == 0 or done in (start + 1, job.train.max_steps):
                 log.info(
