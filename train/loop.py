@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import time
@@ -13,13 +12,12 @@ from typing import Any
 
 import torch
 
-from train import checkpoint, distributed, engine, evaluate, failure, placement, preempt, regroup
+from train import checkpoint, distributed, engine, evaluate, placement, preempt, regroup, survivors
 from train.config import JobConfig
 from train.data import prepare
 from train.distributed import RankInfo
 from train.failure import NonFiniteError
 from train.metrics import (
-    RANK_STATUS,
     MetricsWriter,
     last_logged_step,
     plot_loss,
@@ -38,65 +36,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class Progress:
     """The optimizer steps done so far, for the failure record of a rank that stops mid-run; after a regroup, what
-    the rank's status file says of it, with the digest of its weights at the first step in the new group (every
-    survivor's must be the same)."""
+    the rank's status file says of it (train/survivors.py), with the digest of its weights at the first step in the
+    new group (every survivor's must be the same)."""
 
     step: int | None = None
     weights_due: bool = False
     regrouped: dict[str, Any] | None = None  # the last regroup, with the weights' digest once a step ran after it
-
-
-def weights_digest(params: list[torch.nn.Parameter]) -> str:
-    """sha256 of the trainable weights' bytes, in order."""
-    digest = hashlib.sha256()
-    for param in params:
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _regroup(
-    lost: Exception,
-    watch: regroup.Watcher,
-    info: RankInfo,
-    trainer: engine.Engine,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    progress: Progress,
-    run_dir: Path,
-    job: JobConfig,
-) -> RankInfo:
-    """A peer is gone: wait for the controller's membership, form the new group, agree on the step, go on.
-    Raises ``lost`` when no membership comes within ``distributed.regroup_timeout_s`` (the controller then
-    relaunches from a checkpoint), or when this rank cannot go on in the new group."""
-    began = time.time()
-    done = int(progress.step or 0)
-    log.warning("step %d: the group lost a member (%s); waiting up to %d s for the controller to name who is left",
-                done + 1, failure.one_line(lost), job.distributed.regroup_timeout_s)  # fmt: skip
-    membership = watch.newer(job.distributed.regroup_timeout_s)
-    main_host = info.hosts[info.main_rank]
-    if membership is None or membership.main != main_host:  # the run's records live on the main host
-        raise lost
-    new = distributed.rejoin(info, membership, job.distributed.timeout_s)
-    watch.joined(membership)
-    target, source, behind = regroup.agree_step(done)
-    if behind:
-        regroup.share_state(optimizer, scheduler, source)
-    how = trainer.regroup(new, source)
-    if new.rank != info.rank:
-        (run_dir / "hosts" / info.host / RANK_STATUS.format(rank=info.rank)).unlink(missing_ok=True)
-    seconds = round(time.time() - began, 2)
-    progress.step, progress.weights_due = target, True
-    progress.regrouped = {"generation": membership.generation, "attempt": new.attempt, "from_step": target,
-                          "seconds": seconds}  # fmt: skip
-    log.info("regroup %d: rank %d of %d on %s, from step %d (%d step(s) applied by a survivor only), in %.2f s: %s",
-             membership.generation, new.rank, new.world_size, ", ".join(membership.hosts), target, target - done,
-             seconds, how)  # fmt: skip
-    if new.is_main:
-        regrouped = {"generation": membership.generation, "attempt": new.attempt, "from_step": target,
-                     "last_step_logged": last_logged_step(run_dir), "hosts": list(membership.hosts),
-                     "world_size": new.world_size, "seconds": seconds, "time": round(time.time(), 3)}  # fmt: skip
-        write_status(run_dir, world_size=new.world_size, plan=trainer.balancer.plan.to_dict(), regrouped=regrouped)
-    return new
 
 
 def _data_facts(job: JobConfig, code_dir: Path, records: int, held_out: evaluate.HeldOut | None) -> dict[str, Any]:
@@ -190,7 +135,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     part = layout.describe_rank(info.rank)  # what this rank computes, for `make status`
     device = engine.device_name(info.device)  # and on what, for the model card
     # Ranks on several hosts go on without a lost host, in their own processes (train/regroup.py).
-    watch = regroup.start(run_dir, info.host, info.attempt) if len(set(info.hosts)) > 1 else None
+    watch = regroup.start(run_dir, info.host) if len(set(info.hosts)) > 1 else None
 
     def one_step(step: int) -> None:
         """Step ``step`` + 1 on every rank: forward, backward, the all-reduce, the update; then log, evaluate and
@@ -219,7 +164,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         done = progress.step = step + 1
         figures = rank_figures(info.hosts, shares, balancer.clock.gathered, balancer.clock.gathered_tokens)
         if progress.weights_due and progress.regrouped is not None:  # the survivors' weights, to compare
-            progress.regrouped["weights"] = {"step": done, "sha256": weights_digest(trainable)}
+            progress.regrouped["weights"] = {"step": done, "sha256": survivors.weights_digest(trainable)}
             progress.weights_due = False
         write_rank_status(run_dir, info.host, info.rank, done, job.train.max_steps, loss, figures, part, device,
                           progress.regrouped)  # fmt: skip
@@ -258,7 +203,10 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         except Exception as exc:
             if watch is None or not regroup.broken(exc):
                 raise
-            info = _regroup(exc, watch, info, trainer, optimizer, scheduler, progress, run_dir, job)
+            done = int(progress.step or 0)
+            info, progress.regrouped = survivors.go_on(exc, watch, info, trainer, optimizer, scheduler, done, run_dir,
+                                                       job)  # fmt: skip
+            progress.step, progress.weights_due = progress.regrouped["from_step"], True
             balancer = trainer.balancer
 
     trainer.save_adapter(run_dir / "adapter")  # with stages: every stage's LoRA weights put together on the main rank

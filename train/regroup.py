@@ -59,9 +59,8 @@ class Watcher:
     """Reads this host's membership file every POLL_S seconds; a newer generation fails every collective under way
     (they may wait on a peer that is gone) and wakes a rank waiting in ``rejoin``."""
 
-    def __init__(self, run_dir: Path, host: str, attempt: int) -> None:
+    def __init__(self, run_dir: Path, host: str) -> None:
         self.path = run_dir / "hosts" / host / MEMBERSHIP
-        self.attempt = attempt
         self.generation = 0  # the group this rank is in
         self.broken: str | None = None  # why the current group cannot be used any more
         self._newest: Membership | None = None
@@ -103,12 +102,14 @@ class Watcher:
     def track(self, inner: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
         """A future that completes with ``inner``, or fails as soon as the group is declared broken."""
         outer: torch.futures.Future[Any] = torch.futures.Future()
+        generation = self.generation
 
         def done(fut: torch.futures.Future[Any]) -> None:
             try:
                 value = fut.value()
             except Exception as exc:  # the collective itself failed: a peer reset the connection
-                self.fail(f"a collective failed: {_first_line(exc)}")
+                if generation == self.generation:  # not a collective an earlier group abandoned, failing late
+                    self.fail(f"a collective failed: {_first_line(exc)}")
                 with self._lock:
                     if not outer.done():
                         outer.set_exception(GroupLost(_first_line(exc)))
@@ -153,10 +154,10 @@ def _first_line(exc: BaseException) -> str:
 _WATCHER: list[Watcher] = []
 
 
-def start(run_dir: Path, host: str, attempt: int) -> Watcher:
+def start(run_dir: Path, host: str) -> Watcher:
     """Start watching this host's membership file (once per process)."""
     if not _WATCHER:
-        _WATCHER.append(Watcher(run_dir, host, attempt))
+        _WATCHER.append(Watcher(run_dir, host))
     return _WATCHER[0]
 
 
