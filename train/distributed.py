@@ -31,7 +31,6 @@ class RankInfo:
     hosts: tuple[str, ...] = ()  # the host of every rank, by rank
     attempt: int = 0  # which launch of the run this is (the controller's UGRO_ATTEMPT)
     stores: tuple[tuple[str, str], ...] = ()  # (host, address:port of its regroup store) for every host
-    generation: int = 0  # regroups so far in this launch (train/regroup.py)
 
     @property
     def is_main(self) -> bool:
@@ -102,11 +101,11 @@ def rejoin(info: RankInfo, membership: regroup.Membership, timeout_s: int) -> Ra
     hosts = tuple(info.hosts[r] for r in survivors)
     backend = "nccl" if info.device.type == "cuda" else "gloo"
     _CONTROL.clear()
-    regroup.form(backend, store, membership.generation, rank, len(survivors), timeout_s, info.device)
+    regroup.form(backend, store, info.attempt, membership.generation, rank, len(survivors), timeout_s, info.device)
     main_rank = next(i for i, h in enumerate(hosts) if h == membership.main)
     stores = tuple((h, e) for h, e in info.stores if h in membership.hosts)
     return RankInfo(rank, info.local_rank, len(survivors), info.host, info.device, main_rank, hosts, info.attempt,
-                    stores, membership.generation)  # fmt: skip
+                    stores)  # fmt: skip
 
 
 def wait_for_all(what: str, timeout_s: int) -> None:

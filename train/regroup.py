@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from train import failure
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +110,11 @@ class Watcher:
                 value = fut.value()
             except Exception as exc:  # the collective itself failed: a peer reset the connection
                 if generation == self.generation:  # not a collective an earlier group abandoned, failing late
-                    self.fail(f"a collective failed: {_first_line(exc)}")
+                    self.fail(f"a collective failed: {failure.one_line(exc)}")
                 with self._lock:
+                    self._pending.discard(outer)
                     if not outer.done():
-                        outer.set_exception(GroupLost(_first_line(exc)))
+                        outer.set_exception(GroupLost(failure.one_line(exc)))
                 return
             with self._lock:
                 self._pending.discard(outer)
@@ -144,11 +146,6 @@ class Watcher:
         with self._lock:
             self.generation = membership.generation
             self.broken = None
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
 
 
 _WATCHER: list[Watcher] = []
@@ -184,7 +181,7 @@ def broken(exc: BaseException) -> bool:
     if isinstance(exc, GroupLost) or watch.broken is not None:
         return True
     if isinstance(exc, dist.DistError | ConnectionError):
-        watch.fail(f"a collective failed: {_first_line(exc)}")
+        watch.fail(f"a collective failed: {failure.one_line(exc)}")
         return True
     return False
 
@@ -212,7 +209,7 @@ def new_ranks(hosts_by_rank: tuple[str, ...], survivors: tuple[str, ...]) -> lis
     return [rank for rank, host in enumerate(hosts_by_rank) if host in survivors]
 
 
-def form(backend: str, store: dist.Store, generation: int, rank: int, world: int, timeout_s: float,
+def form(backend: str, store: dist.Store, attempt: int, generation: int, rank: int, world: int, timeout_s: float,
          device: torch.device) -> None:  # fmt: skip
     """Leave the broken default group (without waiting for what is under way in it) and form the new one."""
     if dist.is_initialized():
@@ -220,7 +217,7 @@ def form(backend: str, store: dist.Store, generation: int, rank: int, world: int
     kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         kwargs["device_id"] = device
-    prefixed = dist.PrefixStore(f"ugro-regroup-{os.environ.get('UGRO_ATTEMPT', '0')}-{generation}", store)
+    prefixed = dist.PrefixStore(f"ugro-regroup-{attempt}-{generation}", store)
     dist.init_process_group(store=prefixed, rank=rank, world_size=world, **kwargs)
 
 

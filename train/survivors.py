@@ -63,8 +63,7 @@ def go_on(
              membership.generation, new.rank, new.world_size, ", ".join(membership.hosts), target, target - done,
              seconds, how)  # fmt: skip
     if new.is_main:
-        regrouped = {"generation": membership.generation, "attempt": new.attempt, "from_step": target,
-                     "last_step_logged": last_logged_step(run_dir), "hosts": list(membership.hosts),
-                     "world_size": new.world_size, "seconds": seconds, "time": round(time.time(), 3)}  # fmt: skip
+        regrouped = record | {"last_step_logged": last_logged_step(run_dir), "hosts": list(membership.hosts),
+                              "world_size": new.world_size, "time": round(time.time(), 3)}  # fmt: skip
         write_status(run_dir, world_size=new.world_size, plan=trainer.balancer.plan.to_dict(), regrouped=regrouped)
     return new, record

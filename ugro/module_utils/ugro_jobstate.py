@@ -124,29 +124,27 @@ def ranks(run_dir: Path, host: str) -> list[int]:
     return sorted(int(n) for n in numbers if n.isdigit())
 
 
-def parts(run_dir: Path, host: str) -> dict[str, str]:
-    """What each rank of this host computes (rank -> "the whole model" or its pipeline stage), from its status."""
-    found: dict[str, str] = {}
-    for path in sorted((run_dir / "hosts" / host).glob("rank*.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and record.get("part"):
-            found[str(record.get("rank"))] = str(record["part"])
-    return found
-
-
-def rank_regrouped(run_dir: Path, host: str) -> dict[str, Any] | None:
-    """The newest regroup this host's ranks went through (their status files' ``regrouped``), or None."""
+def rank_records(run_dir: Path, host: str) -> list[dict[str, Any]]:
+    """This host's rank status files (``hosts/<host>/rank<N>.json``), those that read whole."""
     found: list[dict[str, Any]] = []
     for path in sorted((run_dir / "hosts" / host).glob("rank*.json")):
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and isinstance(record.get("regrouped"), dict):
-            found.append(record["regrouped"])
+        if isinstance(record, dict):
+            found.append(record)
+    return found
+
+
+def parts(records: list[dict[str, Any]]) -> dict[str, str]:
+    """What each rank computes (rank -> "the whole model" or its pipeline stage), from its status."""
+    return {str(r.get("rank")): str(r["part"]) for r in records if r.get("part")}
+
+
+def rank_regrouped(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest regroup the ranks went through (their status files' ``regrouped``), or None."""
+    found = [r["regrouped"] for r in records if isinstance(r.get("regrouped"), dict)]
     return max(found, key=lambda r: (r.get("attempt") or 0, r.get("generation") or 0), default=None)
 
 
@@ -170,9 +168,10 @@ def status(run_dir: Path, host: str, main: bool) -> dict[str, Any]:
     else:
         state = "lost"  # no process and no exit code: killed with SIGKILL or the host rebooted
     attempt = _read_int(host_dir / ATTEMPT)
+    records = rank_records(run_dir, host)  # read once per poll
     result.update(state=state, exit_code=exit_code, pids=pids, attempt=attempt, ranks=ranks(run_dir, host),
-                  failures=failures(run_dir, host, attempt), parts=parts(run_dir, host),
-                  rank_regrouped=rank_regrouped(run_dir, host))  # fmt: skip
+                  failures=failures(run_dir, host, attempt), parts=parts(records),
+                  rank_regrouped=rank_regrouped(records))  # fmt: skip
     if main:
         last = last_metrics(run_dir)
         if last is not None:

@@ -58,12 +58,17 @@ class Watch:
         return "running"
 
 
+def _ranks_alive(status: Mapping[str, Any]) -> bool:
+    """Whether a rank (not only the launcher) of the host's job still runs."""
+    return any(name.startswith("worker") for name in status.get("pids") or {})
+
+
 def _finished_without_workers(statuses: Statuses, hosts: list[str], main: str) -> bool:
     """The main rank recorded the run finished and no rank runs anywhere: after a regroup, torchrun's agents on the
     survivors wait at their exit barrier for the lost host's agent, which never comes."""
     if statuses.get(main, {}).get("run_state") != "finished":
         return False
-    return not any(name.startswith("worker") for h in hosts for name in statuses.get(h, {}).get("pids") or {})
+    return not any(_ranks_alive(statuses.get(h, {})) for h in hosts)
 
 
 def _records(statuses: Statuses, hosts: Iterable[str]) -> list[dict[str, Any]]:
@@ -132,7 +137,7 @@ def regroup_survivors(statuses: Statuses, hosts: list[str], main: str, gone: lis
         return None
     for host in survivors:
         status = statuses.get(host, {})
-        if status.get("state") != "running" or not any(n.startswith("worker") for n in status.get("pids") or {}):
+        if status.get("state") != "running" or not _ranks_alive(status):
             return None
         if any(part != "the whole model" for part in (status.get("parts") or {}).values()):
             return None
