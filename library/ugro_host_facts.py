@@ -64,11 +64,12 @@ options:
     description:
       - What to gather. C(all) is every subset whose option is given (C(versions) needs O(python),
         C(code) and C(job) need O(code_dir), C(disk) needs O(disk_path), C(env) needs O(env_file),
-        C(resolve) needs O(names)); a subset named explicitly without its option fails.
+        C(resolve) needs O(names), C(files) needs O(paths)); a subset named explicitly without its option fails.
     type: list
     elements: str
     default: [all]
-    choices: [all, network, gpu, versions, code, job, disk, memory, ports, env, resolve, clock, checkpoint, firewall]
+    choices: [all, network, gpu, versions, code, job, disk, memory, ports, env, resolve, clock, checkpoint, firewall,
+      files]
   cluster_address:
     description: The host's IPv4 cluster address; C(cluster) reports the interface holding it.
     type: str
@@ -104,6 +105,11 @@ options:
     description: Host names to resolve (IPv4), as torchrun on this host would.
     type: list
     elements: str
+    default: []
+  paths:
+    description: Paths for C(files) to look at (whether each exists, is a regular file and is executable).
+    type: list
+    elements: path
     default: []
   nvidia_smi:
     description: The nvidia-smi to ask; by default the one on C(PATH), C(/usr/local/bin) or C(/usr/bin).
@@ -164,6 +170,7 @@ ansible_facts:
                    peft: 0.21.2, unsloth: 2026.10.1}
         job: {job: default-20261121-190000, host: node4070, state: running, exit_code: null,
               pids: {launcher: 4242, worker-rank1: 4300}, attempt: 0, ranks: [1], failures: []}
+        files: {/opt/ugro/.venv/bin/python: {exists: true, regular: true, executable: true}}
 """
 
 import concurrent.futures
@@ -189,11 +196,11 @@ if HAS_PSUTIL:
 
 SUBSETS = (
     "network", "gpu", "versions", "code", "job", "disk", "memory", "ports", "env", "resolve", "clock", "checkpoint",
-    "firewall",
+    "firewall", "files",
 )  # fmt: skip
 # The option each subset needs; subsets not listed need none.
 NEEDS = {"versions": "python", "code": "code_dir", "job": "code_dir", "disk": "disk_path", "env": "env_file",
-         "resolve": "names", "checkpoint": "job_id"}  # fmt: skip
+         "resolve": "names", "checkpoint": "job_id", "files": "paths"}  # fmt: skip
 # Distribution name -> version label (the labels preflight compares across hosts).
 PACKAGES = {"torch": "torch", "transformers": "transformers", "peft": "peft", "unsloth": "unsloth"}
 NCCL_DISTS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
@@ -224,6 +231,15 @@ def network(cluster_address: str | None) -> dict[str, Any]:
         others = ", ".join(f"{n} {'/'.join(a)}" for n, a in interfaces.items() if n != "lo") or "none"
         why = None if holders else f"no interface holds {cluster_address} (IPv4 addresses here: {others})"
         found["cluster"] = {"address": cluster_address, **held, "why": why}
+    return found
+
+
+def files(paths: list[str]) -> dict[str, dict[str, bool]]:
+    """Whether each path exists, is a regular file and is executable here (what a launch is about to run)."""
+    found: dict[str, dict[str, bool]] = {}
+    for path in paths:
+        target = Path(path)
+        found[path] = {"exists": target.exists(), "regular": target.is_file(), "executable": os.access(target, os.X_OK)}
     return found
 
 
@@ -571,6 +587,8 @@ def gather(params: dict[str, Any], subsets: set[str]) -> dict[str, Any]:
             facts["profile_exists"] = Path(params["profile_file"]).is_file()
     if "resolve" in subsets:
         facts["resolve"] = resolve(params["names"], timeout_s)
+    if "files" in subsets:
+        facts["files"] = files(params["paths"])
     if "clock" in subsets:
         facts["time"] = time.time()
     if "firewall" in subsets:
@@ -593,6 +611,7 @@ def main() -> None:
             "env_file": {"type": "path"},
             "profile_file": {"type": "path"},
             "names": {"type": "list", "elements": "str", "default": []},
+            "paths": {"type": "list", "elements": "path", "default": []},
             "nvidia_smi": {"type": "path"},
             "firewall_table": {"type": "str", "default": "ugro"},
             "timeout_s": {"type": "float", "default": 15.0},

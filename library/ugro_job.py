@@ -1,13 +1,18 @@
 #!/usr/bin/python
-"""Ansible module: stop a ugro job's own processes on a host and confirm they are gone."""
+"""Ansible module: start a ugro job on a host, or stop its own processes there and confirm they are gone."""
 
 from __future__ import annotations
 
 DOCUMENTATION = r"""
 ---
 module: ugro_job
-short_description: Stop a ugro job's own processes on a host
+short_description: Start a ugro job on a host, or stop its own processes there
 description:
+  - With O(state=started), writes O(script) as the host's launch script (C(runs/<job>/hosts/<host>/launch.sh)),
+    clears the pid file, exit status and stop mark of an earlier launch of the run, starts the script in a
+    session of its own, waits up to O(start_timeout_s) seconds for it to write its process group id
+    (C(launch.pid)), and records the job in C(runs/active-job). One round trip for what a launch does on a
+    host; checking that the host may start the job (M(ugro_host_facts) C(job)) comes before it, on every host.
   - With O(state=stopped), sends SIGTERM to the job's recorded process group (C(runs/<job>/hosts/<host>/launch.pid))
     and recorded worker pids (C(worker-rank<N>.pid)), waits O(grace_s) seconds, sends SIGKILL to those left, and
     fails when one survives.
@@ -31,10 +36,17 @@ options:
     type: str
     required: true
   state:
-    description: C(stopped) is the only state.
+    description: C(started) launches the job, C(stopped) stops it.
     type: str
-    choices: [stopped]
+    choices: [started, stopped]
     default: stopped
+  script:
+    description: The launch script's text (rendered on the controller); required with O(state=started).
+    type: str
+  start_timeout_s:
+    description: Seconds the started script has to write its pid file.
+    type: float
+    default: 30
   grace_s:
     description: Seconds between SIGTERM and SIGKILL.
     type: float
@@ -43,6 +55,14 @@ author: ugro
 """
 
 EXAMPLES = r"""
+- name: Start the job on this host
+  ugro_job:
+    code_dir: /opt/ugro
+    job_id: default-20261121-190000
+    host: "{{ inventory_hostname }}"
+    state: started
+    script: "{{ lookup('ansible.builtin.template', 'ugro-launch.sh.j2') }}"
+
 - name: Stop the job on this host
   ugro_job:
     code_dir: /opt/ugro
@@ -52,26 +72,35 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+pgid:
+  description: The started job's process group id (the launch script's pid).
+  type: int
+  returned: when O(state=started)
+  sample: 4242
+log:
+  description: torchrun's log on the host.
+  type: str
+  returned: when O(state=started)
 signalled:
   description: The job's processes that were alive and got SIGTERM, name to pid (C(launcher) is the process group).
   type: dict
-  returned: always
+  returned: when O(state=stopped)
   sample: {launcher: 4242, worker-rank0: 4300}
 killed:
   description: Those still alive after O(grace_s) seconds, which got SIGKILL.
   type: dict
-  returned: always
+  returned: when O(state=stopped)
 remaining:
   description: Those still alive 10 s after SIGKILL (the module then fails).
   type: dict
-  returned: always
+  returned: when O(state=stopped)
 """
 
 import re
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.ugro_jobstate import HAS_PSUTIL, job_pids, psutil_missing, stop
+from ansible.module_utils.ugro_jobstate import HAS_PSUTIL, job_pids, psutil_missing, start, stop
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -82,9 +111,12 @@ def main() -> None:
             "code_dir": {"type": "path", "required": True},
             "job_id": {"type": "str", "required": True},
             "host": {"type": "str", "required": True},
-            "state": {"type": "str", "choices": ["stopped"], "default": "stopped"},
+            "state": {"type": "str", "choices": ["started", "stopped"], "default": "stopped"},
             "grace_s": {"type": "float", "default": 30.0},
+            "script": {"type": "str"},
+            "start_timeout_s": {"type": "float", "default": 30.0},
         },
+        required_if=[("state", "started", ["script"])],
         supports_check_mode=True,
     )
     host, job_id = module.params["host"], module.params["job_id"]
@@ -95,6 +127,14 @@ def main() -> None:
     if module.params["grace_s"] < 0:
         module.fail_json(msg=f"{host}: grace_s must be 0 or more seconds, not {module.params['grace_s']:g}")
     run_dir = Path(module.params["code_dir"]) / "runs" / job_id
+    if module.params["state"] == "started":
+        if module.check_mode:
+            module.exit_json(changed=True)
+        try:
+            started = start(run_dir, host, module.params["script"], module.params["start_timeout_s"])
+        except (OSError, RuntimeError) as exc:
+            module.fail_json(msg=f"{host}: job {job_id} did not start: {exc}")
+        module.exit_json(changed=True, **started)
     if module.check_mode:
         alive = job_pids(run_dir, host)
         module.exit_json(changed=bool(alive), signalled=alive, killed={}, remaining={})

@@ -1,8 +1,9 @@
-"""The host fact module and the job-stop module, run for real through `ansible` against this machine.
+"""The host fact module and the job module, run for real through `ansible` against this machine.
 
 What a user relies on: the interface holding the cluster address is found, a host without a GPU says
-why it has none, a job counts as running only while its own recorded processes live, stopping a job
-signals nothing but those, and bad input or a missing psutil is one error naming the host and the key.
+why it has none, a job starts detached in a session of its own and is recorded, a job counts as running
+only while its own recorded processes live, stopping a job signals nothing but those, and bad input or a
+missing psutil is one error naming the host and the key.
 """
 
 from __future__ import annotations
@@ -217,6 +218,59 @@ def test_stop_signals_only_the_jobs_own_recorded_processes(job: Job) -> None:
 
     again = run_module("ugro_job", args)
     assert not again["changed"] and again["signalled"] == {}
+
+
+LAUNCH_SCRIPT = """#!/usr/bin/env bash
+host_dir="$(dirname "$0")"
+exec </dev/null >"${host_dir}/torchrun.log" 2>&1
+printf '%s\\n' "$$" >"${host_dir}/launch.pid"
+echo started
+sleep 300
+"""
+
+
+def test_start_runs_the_launch_script_in_a_session_of_its_own_and_records_the_job(job: Job) -> None:
+    for stale in ("launch.pid", "exit_code", "stopped"):  # an earlier launch of the run left these
+        (job.host_dir / stale).write_text("1\n")
+    args = {"code_dir": str(job.code_dir), "job_id": job.job_id, "host": HOST}
+    result = run_module("ugro_job", {**args, "state": "started", "script": LAUNCH_SCRIPT})
+    assert result["changed"] and not result.get("failed"), result.get("msg")
+    pgid = result["pgid"]
+    try:
+        assert (job.host_dir / "launch.pid").read_text().split() == [str(pgid)]
+        assert os.getsid(pgid) == pgid  # leads its own session: its pid is the job's process group
+        assert (job.code_dir / "runs" / "active-job").read_text() == f"{job.job_id} {pgid}\n"
+        assert not (job.host_dir / "exit_code").exists() and not (job.host_dir / "stopped").exists()
+        assert os.access(job.host_dir / "launch.sh", os.X_OK)
+        state = job.state()
+        assert state["job"]["state"] == "running" and state["job"]["pids"] == {"launcher": pgid}
+        assert state["running_job"] == {"job": job.job_id, "pgid": pgid}
+    finally:
+        stopped = run_module("ugro_job", {**args, "grace_s": 5})
+    assert stopped["signalled"] == {"launcher": pgid} and stopped["remaining"] == {}
+    assert (job.host_dir / "torchrun.log").read_text() == "started\n"
+
+
+def test_a_launch_script_that_ends_before_its_pid_is_one_error_with_its_log(job: Job) -> None:
+    script = '#!/usr/bin/env bash\nexec >"$(dirname "$0")/torchrun.log" 2>&1\necho "no such python"\nexit 3\n'
+    args = {"code_dir": str(job.code_dir), "job_id": job.job_id, "host": HOST, "state": "started", "script": script}
+    result = run_module("ugro_job", args)
+    assert result["failed"]
+    assert result["msg"].startswith(f"{HOST}: job {job.job_id} did not start: ")
+    assert "exited with 3 before it wrote its pid" in result["msg"] and "no such python" in result["msg"]
+    assert not (job.code_dir / "runs" / "active-job").exists()
+
+
+def test_files_says_what_a_launch_would_run_exists_and_runs(tmp_path: Path) -> None:
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("name: x\n")
+    missing = str(tmp_path / "missing.yaml")
+    facts = _facts(gather_subset=["files"], paths=[sys.executable, str(job_file), missing])
+    assert facts["files"] == {
+        sys.executable: {"exists": True, "regular": True, "executable": True},
+        str(job_file): {"exists": True, "regular": True, "executable": False},
+        missing: {"exists": False, "regular": False, "executable": False},
+    }
 
 
 def test_a_bad_job_id_is_one_error_naming_host_and_key(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 from pathlib import Path
 from typing import Any, cast
 
@@ -38,6 +39,17 @@ def resolve_backend(cfg: ModelConfig, cuda: bool) -> str:
     if cfg.backend == "auto":
         return "unsloth" if unsloth_ok else "hf"
     return cfg.backend
+
+
+def without_bitsandbytes(cfg: ModelConfig, backend: str) -> None:
+    """Keep bitsandbytes out of a rank that does not quantize through transformers + peft.
+
+    peft imports it whenever it is installed (it is, on every node: the QLoRA jobs need it), and its import
+    pulls in torch's compiler stack: ~0.8 s of CPU per rank at every start, and a warning about a kernel hub
+    on CPU hosts. A None entry in sys.modules is Python's own way to make a module absent: importing it raises
+    ImportError and importlib.util.find_spec answers None, which is what peft and transformers ask."""
+    if backend == "hf" and cfg.quantization == "none" and "bitsandbytes" not in sys.modules:
+        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
 
 
 def load_tokenizer(cfg: ModelConfig, base_dir: Path) -> Any:
@@ -164,6 +176,7 @@ def load_model(job: JobConfig, base_dir: Path, device: torch.device) -> tuple[An
     if backend == "unsloth":
         log.info("model.init is 'random': unsloth loads pretrained weights only, using transformers + peft")
         backend = "hf"
+    without_bitsandbytes(job.model, backend)
     tokenizer = load_tokenizer(job.model, base_dir)
     base = load_base_hf(job.model, base_dir, device, job.train.seed)
     model = add_lora_hf(base, job.lora, job.model, checkpointing)

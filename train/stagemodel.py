@@ -137,8 +137,9 @@ def write_stage(job: JobConfig, source: Path, stage: Stage, first: bool, last: b
 def load_stage(job: JobConfig, code_dir: Path, stage: Stage, first: bool, last: bool, device: torch.device,
                scratch: Path) -> tuple[Any, Any]:  # fmt: skip
     """This stage's base with LoRA (peft) and the tokenizer; the final norm is the identity but on the last stage."""
-    from train.model import add_lora_hf, load_base_hf, load_tokenizer, resolve_path
+    from train.model import add_lora_hf, load_base_hf, load_tokenizer, resolve_path, without_bitsandbytes
 
+    without_bitsandbytes(job.model, "hf")
     source = Path(resolve_path(job.model.source, code_dir))
     tokenizer = load_tokenizer(job.model, code_dir)
     scratch.mkdir(parents=True, exist_ok=True)

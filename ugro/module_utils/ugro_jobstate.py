@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,11 @@ ACTIVE_JOB = "active-job"
 ATTEMPT = "attempt"
 # Each failed rank's cause, one JSON line each (train/failure.py FAILURES).
 FAILURES = "failures.jsonl"
+# The launch: its script, its process group (written by the script itself), torchrun's log, its exit status.
+LAUNCH_SCRIPT = "launch.sh"
+LAUNCH_PID = "launch.pid"
+LAUNCH_LOG = "torchrun.log"
+EXIT_CODE = "exit_code"
 PROGRESS_KEYS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s")
 RUN_KEYS = ("last_checkpoint", "resumed", "regrouped", "cause")
 
@@ -73,7 +79,7 @@ def job_pids(run_dir: Path, host: str) -> dict[str, int]:
     """The job's recorded processes on this host that are still alive: name -> pid."""
     host_dir = run_dir / "hosts" / host
     found: dict[str, int] = {}
-    launcher = _read_int(host_dir / "launch.pid")
+    launcher = _read_int(host_dir / LAUNCH_PID)
     if launcher is not None and belongs(launcher, run_dir):
         found["launcher"] = launcher
     for pid_file in sorted(host_dir.glob("worker-rank*.pid")):
@@ -156,7 +162,7 @@ def status(run_dir: Path, host: str, main: bool) -> dict[str, Any]:
     if not host_dir.is_dir():
         return {**result, "state": "absent"}
     pids = job_pids(run_dir, host)
-    exit_code = _read_int(host_dir / "exit_code")
+    exit_code = _read_int(host_dir / EXIT_CODE)
     if pids:
         state = "running"
     elif exit_code == 0:
@@ -244,3 +250,54 @@ def stop(run_dir: Path, host: str, grace_s: float) -> dict[str, Any]:
     if not remaining and names_this_job:
         active.unlink()
     return {"signalled": targets, "killed": killed, "remaining": remaining}
+
+
+def _log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def start(run_dir: Path, host: str, script: str, timeout_s: float) -> dict[str, Any]:
+    """Start the job on this host: write its launch script, run it in a session of its own, wait until it
+    has written its process group id, and record the job as the one this host runs (``runs/active-job``).
+
+    Clears the pid file, exit status and stop mark of an earlier launch of the run first, so that neither
+    the wait here nor the controller reads a stale one. Returns {pgid, script, log}; raises RuntimeError
+    with the log's end when the script exits or writes no pid within ``timeout_s`` seconds."""
+    host_dir = run_dir / "hosts" / host
+    host_dir.mkdir(parents=True, exist_ok=True)
+    for name in (LAUNCH_PID, EXIT_CODE, STOPPED_MARK):
+        (host_dir / name).unlink(missing_ok=True)
+    path = host_dir / LAUNCH_SCRIPT
+    partial = host_dir / (LAUNCH_SCRIPT + ".tmp")
+    partial.write_text(script, encoding="utf-8")
+    partial.chmod(0o755)
+    os.replace(partial, path)
+    log = host_dir / LAUNCH_LOG
+    # A session of its own: its pid is the job's process group, and it outlives this module's SSH session.
+    proc = subprocess.Popen(
+        [str(path)],
+        cwd=host_dir,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
+    deadline = time.monotonic() + timeout_s
+    pgid = _read_int(host_dir / LAUNCH_PID)
+    while pgid is None:
+        if proc.poll() is not None:
+            ended = f"{path} exited with {proc.returncode} before it wrote its pid"
+            raise RuntimeError(f"{ended}; {log} ends:\n{_log_tail(log)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} wrote no pid within {timeout_s:g} s; {log} ends:\n{_log_tail(log)}")
+        time.sleep(0.02)
+        pgid = _read_int(host_dir / LAUNCH_PID)
+    active = run_dir.parent / ACTIVE_JOB
+    partial = run_dir.parent / (ACTIVE_JOB + ".tmp")
+    partial.write_text(f"{run_dir.name} {pgid}\n", encoding="utf-8")
+    os.replace(partial, active)
+    return {"pgid": pgid, "script": str(path), "log": str(log)}
