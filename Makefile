@@ -114,7 +114,7 @@ dashboard: venv
 prometheus-config: venv
 	$(UGRO) prometheus-config --inventory $(INVENTORY)
 
-PY_DIRS := train ugro library bench tests models molecule data tools testbed
+PY_DIRS := train ugro library action_plugins bench tests models molecule data tools testbed
 
 lint: venv
 	$(VENV)/bin/ansible-lint --profile production
@@ -123,6 +123,8 @@ lint: venv
 
 typecheck: venv
 	$(VENV)/bin/mypy
+	# An action plugin shares its module's name (library/), so mypy checks it on its own.
+	$(VENV)/bin/mypy action_plugins
 
 # The full tier (what CI runs): lint, types, every test (the test cluster, torchrun, Ansible and SLURM ones need
 # root and the tools .ci/run installs), then every role's Molecule scenario. Not side by side: on two cores

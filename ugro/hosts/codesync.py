@@ -23,8 +23,7 @@ def pack(root: Path, archive: Path) -> str:
         for rel in files:
             tar.add(root / rel, arcname=rel)
         info = tar.gettarinfo(manifest, arcname=MANIFEST)
-        # The newest code file's time, not now: unchanged code packs to the same members, so a host that
-        # already has it is left alone (the code_sync role's unarchive compares contents and times).
+        # The newest code file's time, not now: unchanged code packs to the same archive.
         info.mtime = max((int((root / rel).stat().st_mtime) for rel in files), default=0)
         with manifest.open("rb") as handle:
             tar.addfile(info, handle)
