@@ -107,9 +107,10 @@ options:
     elements: str
     default: []
   paths:
-    description: Paths for C(files) to look at (whether each exists, is a regular file and is executable).
+    description: Paths for C(files) to look at (whether each exists, is a regular file and is executable), keyed in
+      the facts exactly as given.
     type: list
-    elements: path
+    elements: str
     default: []
   nvidia_smi:
     description: The nvidia-smi to ask; by default the one on C(PATH), C(/usr/local/bin) or C(/usr/bin).
@@ -611,7 +612,7 @@ def main() -> None:
             "env_file": {"type": "path"},
             "profile_file": {"type": "path"},
             "names": {"type": "list", "elements": "str", "default": []},
-            "paths": {"type": "list", "elements": "path", "default": []},
+            "paths": {"type": "list", "elements": "str", "default": []},
             "nvidia_smi": {"type": "path"},
             "firewall_table": {"type": "str", "default": "ugro"},
             "timeout_s": {"type": "float", "default": 15.0},
