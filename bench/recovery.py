@@ -3,8 +3,8 @@
 Brings up the 3-host test cluster (network namespaces, real SSH, gloo over veth; needs root) and runs one
 job through the real controller (`ugro train`): launch -> first optimizer step; then every job process on
 tb2 is SIGKILLed between two checkpoints (a host that died: the survivors regroup in their own processes)
--> next step on the survivors; then tb1's link is cut inside its namespace (the rendezvous host, with the
-checkpoints, gone silent) -> next step on the hosts left, from the controller's copy of the checkpoint. Step
+-> next step on the survivors; then tb1's link is cut inside its namespace (the rendezvous and main host, with
+the run's records, gone silent) -> next step on the hosts left (tb3 takes the records up and goes on). Step
 times come from the ranks' own metrics.jsonl (wall clock of this machine, which all test hosts share); where
 the time went comes from the run's restart record. The last line is one JSON object with the figures and the
 machine's mean 1-minute load average over the run.
@@ -99,7 +99,7 @@ def main() -> int:
         figures = [("launch -> first optimizer step (normal start)", first, "goal <= 15 s", None)]
         for (what, moment, goal), restart in zip(
             [("SIGKILL of tb2's job -> next step on tb1 + tb3", killed, "goal <= 10 s, 0 redone"),
-             ("tb1 (rendezvous) link cut -> next step on tb2 + tb3", cut, "goal <= 20 s")],
+             ("tb1 (rendezvous, main) link cut -> next step on the hosts left", cut, "goal <= 20 s")],
             record["restarts"], strict=True,
         ):  # fmt: skip
             figures.append((what, _first_step_after(bed, job_id, moment), goal, restart | {"fault": moment}))

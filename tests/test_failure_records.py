@@ -142,6 +142,25 @@ def test_one_silent_poll_is_not_a_fault_two_are() -> None:
     assert watch.verdict({"a": _status("stopped"), "b": _status("failed")}) == "stopped"
 
 
+def test_one_silent_poll_is_a_fault_when_the_hosts_that_answer_cannot_reach_it_either() -> None:
+    watch = recovery.Watch(["a", "b", "c"])
+    cut = {"state": "unreachable", "error": "timeout"}
+    vouch = {"a": _status("running") | {"silent_peers": ["b"]}, "b": cut, "c": _status("running")}
+    watch.note(vouch)
+    assert watch.unreachable() == ["b"] and watch.verdict(vouch) == "fault"
+    # Peers that cannot reach a host that answers the controller: not a fault (their own link, or a slow host).
+    watch = recovery.Watch(["a", "b", "c"])
+    answers = vouch | {"b": _status("running")}
+    watch.note(answers)
+    assert watch.unreachable() == [] and watch.verdict(answers) == "running"
+    # A silent host nobody vouches for still needs a second silent poll; the silent host's own word counts for
+    # nothing (it did not answer).
+    watch = recovery.Watch(["a", "b"])
+    alone = {"a": _status("running"), "b": cut | {"silent_peers": ["a"]}}
+    watch.note(alone)
+    assert watch.unreachable() == [] and watch.verdict(alone) == "running"
+
+
 def _alive(parts: dict[str, str] | None = None) -> dict:
     return _status("running") | {"pids": {"launcher": 10, "worker-rank0": 11}, "parts": parts or {}}
 
@@ -151,9 +170,11 @@ def test_the_survivors_of_a_lost_host_regroup_unless_the_fault_needs_a_relaunch(
     whole = {"0": "the whole model"}
     statuses = {"a": _alive(whole), "b": _status("lost"), "c": _alive(whole)}
     assert recovery.regroup_survivors(statuses, hosts, "a", ["b"]) == ["a", "c"]
-    # The main host gone (the run's records live there), no host gone (a rank crashed on a host that stays up:
-    # restarted in place), a survivor whose job is not whole, or pipeline stages: a relaunch.
-    assert recovery.regroup_survivors(statuses, hosts, "b", ["b"]) is None
+    # The main host gone: the survivors go on, and the first of them takes up the run's records.
+    assert recovery.regroup_survivors(statuses, hosts, "b", ["b"]) == ["a", "c"]
+    assert recovery.rendezvous_for(["a", "c"], "b") == "a"
+    # No host gone (a rank crashed on a host that stays up: restarted in place), a survivor whose job is not
+    # whole, or pipeline stages: a relaunch.
     assert recovery.regroup_survivors(statuses, hosts, "a", []) is None
     half = statuses | {"c": _status("running") | {"pids": {"launcher": 10}}}
     assert recovery.regroup_survivors(half, hosts, "a", ["b"]) is None

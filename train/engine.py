@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from train import checkpoint, distributed, evaluate, pipeline, stagemodel
+from train import checkpoint, distributed, evaluate, pipeline, regroup, stagemodel
 from train.balance import Balancer
 from train.config import JobConfig
 from train.data import prompt_text
@@ -69,7 +69,8 @@ class DataParallel(_Engine):
     def regroup(self, info: RankInfo, src: int) -> str:
         """Go on in the survivors' new group: DDP anew over it (from rank ``src``'s weights), shares re-planned."""
         self.info, self.batch_rank = info, info.rank
-        self.ddp = self.model  # the broken group's DDP goes, with its reducer's hooks
+        regroup.retire(self.ddp)  # its reducer holds the broken group (train/regroup.py _RETIRED says why)
+        self.ddp = self.model
         return self.start(None, src)
 
     def train(self) -> None:

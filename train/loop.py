@@ -22,6 +22,7 @@ from train.metrics import (
     last_logged_step,
     plot_loss,
     rank_figures,
+    take_over,
     write_rank_status,
     write_samples,
     write_status,
@@ -98,12 +99,14 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         job.micro_batch_cap,
         how,
     )
-    writer = MetricsWriter(run_dir, job.train.max_steps, start) if info.is_main else None
-    if info.is_main:
+
+    def keep_records(first: int) -> MetricsWriter:
+        """The main rank's records of the run from step ``first``: its state (run.json), metrics and TensorBoard.
+        The first main rank opens them at the start; a survivor whose host becomes the main one, after a regroup."""
         write_status(
             run_dir,
             state="running",
-            step=start,
+            step=first,
             total_steps=job.train.max_steps,
             backend=backend,
             world_size=info.world_size,
@@ -114,8 +117,17 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             # What the model card (ugro/model/card.py) tells: the job as the main rank runs it (rank_local with its
             # host's profile merged), and the data it trained and was judged on.
             job=job.model_dump(mode="json"),
-            data=data,
+            data=data or _data_facts(job, code_dir, blocks.records, held_out),
         )
+        return MetricsWriter(run_dir, job.train.max_steps, first)
+
+    writer = keep_records(start) if info.is_main else None
+    # Every other host's first rank keeps the same rows, should its host take over the run's records (a regroup
+    # after the main host is lost: train/survivors.py).
+    several_hosts = len(set(info.hosts)) > 1
+    shadow_dir = run_dir / "hosts" / info.host
+    shadow = MetricsWriter(shadow_dir, job.train.max_steps, start, tensorboard=False) if (
+        several_hosts and not layout.pipelined and not info.is_main and info.local_rank == 0) else None  # fmt: skip
 
     def held_out_loss(step: int, adapter: bool = True) -> None:
         """Every rank evaluates its part; the main rank records the mean over all of them."""
@@ -123,6 +135,8 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             return
         with contextlib.nullcontext() if adapter else trainer.base_model():
             value, count = trainer.held_out_loss(held_out, job.eval.batch_size)
+        if shadow is not None:
+            shadow.log_eval(step, value, count, adapter)
         if writer is not None:
             writer.log_eval(step, value, count, adapter)
             log.info("step %d: held-out loss %.4f over %d answer tokens (%s)", step, value, count,
@@ -135,7 +149,8 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     part = layout.describe_rank(info.rank)  # what this rank computes, for `make status`
     device = engine.device_name(info.device)  # and on what, for the model card
     # Ranks on several hosts go on without a lost host, in their own processes (train/regroup.py).
-    watch = regroup.start(run_dir, info.host) if len(set(info.hosts)) > 1 else None
+    peers = {h: e for h, e in info.stores if h != info.host} if info.local_rank == 0 else None
+    watch = regroup.start(run_dir, info.host, peers) if several_hosts else None
 
     def one_step(step: int) -> None:
         """Step ``step`` + 1 on every rank: forward, backward, the all-reduce, the update; then log, evaluate and
@@ -169,6 +184,8 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         write_rank_status(run_dir, info.host, info.rank, done, job.train.max_steps, loss, figures, part, device,
                           progress.regrouped)  # fmt: skip
 
+        if shadow is not None:
+            shadow.log(done, loss, tokens, lr, grad_norm, sampler.epoch_of(done), figures)
         if writer is not None:
             row = writer.log(done, loss, tokens, lr, grad_norm, sampler.epoch_of(done), figures)
             if done == start + 1 and info.attempt == 0:  # the first launch's (a relaunch's are in its restart)
@@ -208,10 +225,18 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
                                                        job)  # fmt: skip
             progress.step, progress.weights_due = progress.regrouped["from_step"], True
             balancer = trainer.balancer
+            if info.is_main and writer is None:  # the main host was the one lost: this host keeps the run now
+                if shadow is not None:
+                    shadow.close()
+                    take_over(shadow_dir, run_dir)
+                    shadow = None
+                writer = keep_records(progress.step)
 
     trainer.save_adapter(run_dir / "adapter")  # with stages: every stage's LoRA weights put together on the main rank
     asked = held_out.records[: job.eval.samples] if held_out is not None and job.eval is not None else []
     answered = trainer.answers(asked) if asked else None  # through the stages with a pipeline, on the main rank without
+    if shadow is not None:
+        shadow.close()
     if writer is not None:
         writer.close()
         tokenizer.save_pretrained(str(run_dir / "adapter"))
@@ -227,3 +252,5 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         log.info("finished: adapter in %s", run_dir / "adapter")
     log.info("peak memory of this rank: %.2f GiB (%s)", engine.peak_gib(info.device), part)
     distributed.wait_for_all("the main rank has written the results", job.distributed.startup_timeout_s)
+    if watch is not None:
+        watch.settle(job.distributed.timeout_s)  # collectives a regroup abandoned end before the process does

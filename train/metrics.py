@@ -46,6 +46,14 @@ def last_logged_step(run_dir: Path) -> int | None:
     return int(rows[-1]["step"]) if rows else None
 
 
+def take_over(shadow_dir: Path, run_dir: Path) -> None:
+    """The rows a host kept for itself (MetricsWriter with tensorboard=False in ``shadow_dir``) become the run's,
+    when its host takes over the run's records from a main host that was lost."""
+    for name in (METRICS, EVAL):
+        if (shadow_dir / name).is_file():
+            os.replace(shadow_dir / name, run_dir / name)
+
+
 def _drop_rows_after(path: Path, step: int) -> None:
     """Remove the rows of steps after ``step`` (a resumed run redoes them; from step 0, all), atomically."""
     if not path.is_file():
@@ -63,9 +71,14 @@ def _drop_rows_after(path: Path, step: int) -> None:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+    """The run's metrics.jsonl, eval.jsonl and TensorBoard events, from ``start_step`` on (later rows are dropped).
 
+    The main rank keeps them in the run directory; local rank 0 of every other host keeps the same rows in its
+    own ``hosts/<host>/`` without TensorBoard (``tensorboard=False``: every figure of a row is the same on every
+    rank), so that a survivor whose host becomes the main one after the main host is lost holds the run's whole
+    history (``take_over``)."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool = True) -> None:
         for name in (METRICS, EVAL):
             _drop_rows_after(run_dir / name, start_step)
         self.run_dir = run_dir
@@ -74,7 +87,11 @@ class MetricsWriter:
         self.started = time.monotonic()
         self.tokens_since_start = 0
         self._file = (run_dir / METRICS).open("a", encoding="utf-8")
-        self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
+        self._tb: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
 
     def log(
         self,
@@ -107,8 +124,9 @@ class MetricsWriter:
             row["ranks"] = ranks
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
-            self._tb.add_scalar(f"train/{key}", row[key], step)
+        if self._tb is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                self._tb.add_scalar(f"train/{key}", row[key], step)
         return row
 
     def log_eval(self, step: int, loss: float, tokens: int, adapter: bool = True) -> dict[str, Any]:
@@ -121,12 +139,14 @@ class MetricsWriter:
         }
         with (self.run_dir / EVAL).open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(row) + "\n")
-        self._tb.add_scalar("eval/loss", loss, step)
+        if self._tb is not None:
+            self._tb.add_scalar("eval/loss", loss, step)
         return row
 
     def close(self) -> None:
         self._file.close()
-        self._tb.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def rank_figures(

@@ -18,6 +18,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +35,10 @@ log = logging.getLogger(__name__)
 
 MEMBERSHIP = "membership.json"
 POLL_S = 0.2
+# hosts/<host>/peers.json: the hosts this host cannot reach (ugro/module_utils/ugro_jobstate.py reads it).
+PEERS = "peers.json"
+HEARTBEAT_S = 0.5  # between two rounds of connects to the peers, and each connect's timeout
+SILENT_AFTER = 2  # failed connects in a row before a peer counts as silent
 
 
 class GroupLost(RuntimeError):
@@ -66,6 +72,8 @@ class Watcher:
         self.broken: str | None = None  # why the current group cannot be used any more
         self._newest: Membership | None = None
         self._pending: set[torch.futures.Future[Any]] = set()
+        self._inner: dict[torch.futures.Future[Any], torch.futures.Future[Any]] = {}  # outer -> the collective's own
+        self.abandoned: list[torch.futures.Future[Any]] = []  # collectives of broken groups, maybe still pending
         self._lock = threading.RLock()  # a future's callbacks may track another
         self._changed = threading.Event()
         self.path.unlink(missing_ok=True)  # a membership of an earlier launch is not this one's
@@ -96,6 +104,8 @@ class Watcher:
         with self._lock:
             self.broken = self.broken or why
             pending, self._pending = self._pending, set()
+            self.abandoned += [inner for outer, inner in self._inner.items() if outer in pending and not inner.done()]
+            self._inner = {}
             for future in pending:
                 if not future.done():
                     future.set_exception(GroupLost(why))
@@ -113,11 +123,13 @@ class Watcher:
                     self.fail(f"a collective failed: {failure.one_line(exc)}")
                 with self._lock:
                     self._pending.discard(outer)
+                    self._inner.pop(outer, None)
                     if not outer.done():
                         outer.set_exception(GroupLost(failure.one_line(exc)))
                 return
             with self._lock:
                 self._pending.discard(outer)
+                self._inner.pop(outer, None)
                 if not outer.done():
                     outer.set_result(value)
 
@@ -126,8 +138,16 @@ class Watcher:
                 outer.set_exception(GroupLost(self.broken))
                 return outer
             self._pending.add(outer)
+            self._inner[outer] = inner
         inner.add_done_callback(done)
         return outer
+
+    def settle(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``, the collective timeout) until the collectives of broken groups have ended,
+        so that the groups kept in ``_RETIRED`` can be destroyed at exit without waiting on them."""
+        deadline = time.monotonic() + timeout_s
+        while any(not f.done() for f in self.abandoned) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
 
     def newer(self, timeout_s: float) -> Membership | None:
         """Wait up to ``timeout_s`` for a membership newer than the current group's."""
@@ -148,14 +168,69 @@ class Watcher:
             self.broken = None
 
 
+class Heartbeat:
+    """This host's view of its peers, from its first rank: every HEARTBEAT_S seconds a TCP connect to each peer's
+    regroup store (open from the start on every host). The peers that failed SILENT_AFTER connects in a row are
+    written to ``hosts/<host>/peers.json`` ({"silent": [host, ...]}) whenever the list changes; the controller's
+    status poll reads it, and a host that neither the controller nor its peers can reach is gone after one poll
+    instead of two (ugro/run/recovery.py ``Watch``)."""
+
+    def __init__(self, run_dir: Path, host: str, peers: dict[str, str]) -> None:
+        self.path = run_dir / "hosts" / host / PEERS
+        self._peers = dict(peers)  # host -> address:port of its regroup store
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self.path.unlink(missing_ok=True)  # an earlier launch's view is not this one's
+        threading.Thread(target=self._beat, name="ugro-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def keep(self, hosts: tuple[str, ...]) -> None:
+        """After a regroup: only the hosts still in the group are peers."""
+        with self._lock:
+            self._peers = {h: e for h, e in self._peers.items() if h in hosts}
+
+    def _beat(self) -> None:
+        failed: dict[str, int] = {}
+        written: list[str] = []
+        while not self._stopped.is_set():
+            with self._lock:
+                peers = dict(self._peers)
+            for host, endpoint in peers.items():
+                address, port = endpoint.rsplit(":", 1)
+                try:
+                    socket.create_connection((address, int(port)), timeout=HEARTBEAT_S).close()
+                    failed[host] = 0
+                except OSError:
+                    failed[host] = failed.get(host, 0) + 1
+            silent = sorted(h for h in peers if failed.get(h, 0) >= SILENT_AFTER)
+            if silent != written:
+                partial = self.path.with_suffix(f".tmp{os.getpid()}")
+                partial.write_text(json.dumps({"silent": silent, "time": round(time.time(), 3)}), encoding="utf-8")
+                os.replace(partial, self.path)
+                written = silent
+                if silent:
+                    log.warning("cannot reach the regroup store of %s", ", ".join(silent))
+            self._stopped.wait(HEARTBEAT_S)
+
+
 _WATCHER: list[Watcher] = []
+_HEARTBEAT: list[Heartbeat] = []
 
 
-def start(run_dir: Path, host: str) -> Watcher:
-    """Start watching this host's membership file (once per process)."""
+def start(run_dir: Path, host: str, peers: dict[str, str] | None = None) -> Watcher:
+    """Start watching this host's membership file (once per process), and with ``peers`` (host -> regroup store,
+    given to one rank per host) whether the other hosts can be reached."""
     if not _WATCHER:
         _WATCHER.append(Watcher(run_dir, host))
+        if peers:
+            _HEARTBEAT.append(Heartbeat(run_dir, host, peers))
     return _WATCHER[0]
+
+
+def heartbeat() -> Heartbeat | None:
+    return _HEARTBEAT[0] if _HEARTBEAT else None
 
 
 def watcher() -> Watcher | None:
@@ -209,10 +284,22 @@ def new_ranks(hosts_by_rank: tuple[str, ...], survivors: tuple[str, ...]) -> lis
     return [rank for rank, host in enumerate(hosts_by_rank) if host in survivors]
 
 
+# The broken groups and the DDP wrappers over them, kept until the process ends. A collective abandoned in one may
+# still be pending (a cut link: it ends at the collective timeout), and the gloo thread that ends it runs its
+# future's Python callback, which needs the GIL; destroying the group on this thread (holding the GIL) joins that
+# thread: a deadlock. Kept here, they are destroyed only at exit, after ``settle`` has waited for those collectives.
+_RETIRED: list[Any] = []
+
+
+def retire(thing: Any) -> None:
+    _RETIRED.append(thing)
+
+
 def form(backend: str, store: dist.Store, attempt: int, generation: int, rank: int, world: int, timeout_s: float,
          device: torch.device) -> None:  # fmt: skip
     """Leave the broken default group (without waiting for what is under way in it) and form the new one."""
     if dist.is_initialized():
+        retire(dist.group.WORLD)
         dist.destroy_process_group()
     kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
     if device.type == "cuda":

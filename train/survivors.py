@@ -39,18 +39,26 @@ def go_on(
     job: JobConfig,
 ) -> tuple[RankInfo, dict[str, Any]]:
     """A peer is gone: wait for the controller's membership, form the new group, agree on the step, go on.
-    Raises ``lost`` when no membership comes within ``distributed.regroup_timeout_s`` (the controller then
-    relaunches from a checkpoint), or when this rank cannot go on in the new group. ``done``: the steps this rank
+    Where the main host is the one lost, the membership names another; its local rank 0 takes up the run's
+    records (the caller starts them: train/loop.py). Raises ``lost`` when no membership comes within
+    ``distributed.regroup_timeout_s`` (the controller then relaunches from a checkpoint), or when this rank
+    cannot go on in the new group. ``done``: the steps this rank
     completed; returns its new place and the regroup's record for its status file (``from_step``: where it goes on)."""
     began = time.time()
     log.warning("step %d: the group lost a member (%s); waiting up to %d s for the controller to name who is left",
                 done + 1, failure.one_line(lost), job.distributed.regroup_timeout_s)  # fmt: skip
     membership = watch.newer(job.distributed.regroup_timeout_s)
     main_host = info.hosts[info.main_rank]
-    if membership is None or membership.main != main_host:  # the run's records live on the main host
+    if membership is None:
         raise lost
+    if membership.main != main_host and main_host in membership.hosts:  # the main host moves only when it is lost
+        raise regroup.GroupLost(f"the controller moved the main host from {main_host}, which is left, to "
+                                f"{membership.main}")  # fmt: skip
     new = distributed.rejoin(info, membership, job.distributed.timeout_s)
     watch.joined(membership)
+    beat = regroup.heartbeat()
+    if beat is not None:
+        beat.keep(membership.hosts)
     target, source, behind = regroup.agree_step(done)
     if behind:
         regroup.share_state(optimizer, scheduler, source)
@@ -64,6 +72,7 @@ def go_on(
              seconds, how)  # fmt: skip
     if new.is_main:
         regrouped = record | {"last_step_logged": last_logged_step(run_dir), "hosts": list(membership.hosts),
-                              "world_size": new.world_size, "time": round(time.time(), 3)}  # fmt: skip
+                              "world_size": new.world_size, "time": round(time.time(), 3),
+                              "main_before": main_host}  # fmt: skip
         write_status(run_dir, world_size=new.world_size, plan=trainer.balancer.plan.to_dict(), regrouped=regrouped)
     return new, record

@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,8 +103,11 @@ def start_playbook(
     private_dir: Path,
     on_task: Any = None,
     limit: list[str] | None = None,
+    enough: Callable[[PlaybookRun], bool] | None = None,
 ) -> PlaybookRun:
-    """Start ``playbooks/<playbook>`` against ``inventory`` (only the hosts in ``limit``, if given); returns at once."""
+    """Start ``playbooks/<playbook>`` against ``inventory`` (only the hosts in ``limit``, if given); returns at once.
+    With ``enough``, the run is cut short (ansible-runner cancels it; its status is then "canceled") as soon as
+    ``enough`` says that what it has heard so far is all that is needed."""
     import ansible_runner
 
     private_dir.mkdir(parents=True, exist_ok=True)
@@ -149,6 +153,8 @@ def start_playbook(
         rotate_artifacts=3,
         event_handler=on_event,
         finished_callback=forget_environment,
+        # ansible-runner asks the cancel callback each time it stops waiting for output: every 0.2 s, not 5.
+        **({"cancel_callback": lambda: enough(run), "settings": {"pexpect_timeout": 0.2}} if enough else {}),
     )
     return run
 
@@ -160,8 +166,9 @@ def run_playbook(
     private_dir: Path,
     on_task: Any = None,
     limit: list[str] | None = None,
+    enough: Callable[[PlaybookRun], bool] | None = None,
 ) -> PlaybookRun:
-    """Run a playbook to its end."""
-    run = start_playbook(playbook, inventory, extravars, private_dir, on_task, limit)
+    """Run a playbook to its end (or until ``enough`` says so: ``start_playbook``)."""
+    run = start_playbook(playbook, inventory, extravars, private_dir, on_task, limit, enough)
     run.wait()
     return run

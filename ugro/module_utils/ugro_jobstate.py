@@ -39,6 +39,8 @@ ACTIVE_JOB = "active-job"
 ATTEMPT = "attempt"
 # Each failed rank's cause, one JSON line each (train/failure.py FAILURES).
 FAILURES = "failures.jsonl"
+# The hosts this host's ranks cannot reach (train/regroup.py Heartbeat).
+PEERS = "peers.json"
 # The launch: its script, its process group (written by the script itself), torchrun's log, its exit status.
 LAUNCH_SCRIPT = "launch.sh"
 LAUNCH_PID = "launch.pid"
@@ -148,6 +150,15 @@ def parts(records: list[dict[str, Any]]) -> dict[str, str]:
     return {str(r.get("rank")): str(r["part"]) for r in records if r.get("part")}
 
 
+def silent_peers(run_dir: Path, host: str) -> list[str]:
+    """The other hosts this host's first rank has not reached in its last connects to their regroup stores."""
+    try:
+        found = json.loads((run_dir / "hosts" / host / PEERS).read_text()).get("silent")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(h) for h in found] if isinstance(found, list) else []
+
+
 def rank_regrouped(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The newest regroup the ranks went through (their status files' ``regrouped``), or None."""
     found = [r["regrouped"] for r in records if isinstance(r.get("regrouped"), dict)]
@@ -177,7 +188,8 @@ def status(run_dir: Path, host: str, main: bool) -> dict[str, Any]:
     records = rank_records(run_dir, host)  # read once per poll
     result.update(state=state, exit_code=exit_code, pids=pids, attempt=attempt, ranks=ranks(run_dir, host),
                   failures=failures(run_dir, host, attempt), parts=parts(records),
-                  rank_regrouped=rank_regrouped(records))  # fmt: skip
+                  rank_regrouped=rank_regrouped(records),
+                  silent_peers=silent_peers(run_dir, host) if pids else [])  # fmt: skip
     if main:
         last = last_metrics(run_dir)
         if last is not None:

@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ugro.hosts.playbook import run_playbook
+from ugro.hosts.playbook import PlaybookRun, run_playbook
 from ugro.module_utils import ugro_jobstate
 
 Statuses = dict[str, dict[str, Any]]
@@ -32,11 +32,26 @@ def remote_source(inventory: Path, job_id: str, private_dir: Path, hosts: list[s
     """Each poll runs playbooks/status.yml on ``hosts``; a host that does not answer reads "unreachable"."""
     extravars = {"ugro_job_id": job_id, "ugro_rendezvous_host": main}
 
+    def answers(run: PlaybookRun) -> Statuses:
+        """Each host's job state as soon as its fact module answered (the play's next task waits for every host)."""
+        found: Statuses = {}
+        for host, facts in run.facts.items():
+            status = facts.get("train_job_status") or (facts.get("ugro_host") or {}).get("job")
+            if isinstance(status, dict):
+                found[host] = status
+        return found
+
+    def enough(run: PlaybookRun) -> bool:
+        """The hosts that have not answered yet are hosts that the answering ones cannot reach either: a cut link
+        would hold the poll for the status timeout, and recovery.Watch counts them gone at once."""
+        found = answers(run)
+        missing = [host for host in hosts if host not in found]
+        vouched = {str(peer) for status in found.values() for peer in status.get("silent_peers") or []}
+        return bool(found) and bool(missing) and all(host in vouched for host in missing)
+
     def poll() -> Statuses:
-        run = run_playbook("status.yml", inventory, extravars, private_dir, limit=hosts)
-        found: Statuses = {
-            host: facts["train_job_status"] for host, facts in run.facts.items() if "train_job_status" in facts
-        }
+        run = run_playbook("status.yml", inventory, extravars, private_dir, limit=hosts, enough=enough)
+        found: Statuses = answers(run)
         for host, message in run.failures.items():
             found[host] = {"host": host, "state": "unreachable", "error": message}
         for host in hosts:

@@ -31,17 +31,23 @@ class Watch:
     silent: dict[str, int] = field(default_factory=dict)  # host -> polls in a row without an answer
     main: str = ""
     regrouped: bool = False  # the launch lost a host and went on without it (its agents wait for it at the end)
+    vouched: set[str] = field(default_factory=set)  # hosts that the answering hosts' ranks cannot reach either
 
     def note(self, statuses: Statuses) -> None:
+        answering = [statuses.get(h, {}) for h in self.hosts]
+        answering = [s for s in answering if s.get("state") not in (None, "unreachable")]
+        self.vouched = {str(peer) for s in answering for peer in s.get("silent_peers") or []}
         for host in self.hosts:
             answered = statuses.get(host, {}).get("state") not in (None, "unreachable")
             self.silent[host] = 0 if answered else self.silent.get(host, 0) + 1
 
     def unreachable(self, polls: int = UNREACHABLE_POLLS) -> list[str]:
-        """Hosts that did not answer the last ``polls`` polls. A fault is declared on two silent polls; once
-        there is one, a host silent on the last poll counts as gone (a cut link hangs its SSH session while
+        """Hosts that did not answer the last ``polls`` polls, or the last one where their peers cannot reach them
+        either (train/regroup.py Heartbeat). A fault is declared on two silent polls, or on one its peers confirm;
+        once there is one, a host silent on the last poll counts as gone (a cut link hangs its SSH session while
         the hosts that talk to it fail with collective errors)."""
-        return [h for h in self.hosts if self.silent.get(h, 0) >= polls]
+        silent = self.silent
+        return [h for h in self.hosts if silent.get(h, 0) >= polls or (silent.get(h, 0) and h in self.vouched)]
 
     def verdict(self, statuses: Statuses) -> str:
         """running / finished / stopped (someone ran `make stop`) / fault (a host or rank failed or is gone)."""
@@ -130,10 +136,11 @@ def blamed(statuses: Statuses, hosts: list[str], unreachable: Iterable[str]) -> 
 
 def regroup_survivors(statuses: Statuses, hosts: list[str], main: str, gone: list[str]) -> list[str] | None:
     """The hosts that can go on in their own processes without ``gone`` (train/regroup.py), or None when the
-    fault needs a relaunch: no host is gone (a rank crashed on a host that stays up), the main host is gone
-    (the run's records live there), a survivor's job is not running whole, or the ranks hold pipeline stages."""
+    fault needs a relaunch: no host is gone (a rank crashed on a host that stays up), a survivor's job is not
+    running whole, or the ranks hold pipeline stages. Where the main host is gone, the first survivor takes up
+    the run's records (``rendezvous_for``)."""
     survivors = [h for h in hosts if h not in gone]
-    if not gone or not survivors or main in gone:
+    if not gone or not survivors:
         return None
     for host in survivors:
         status = statuses.get(host, {})

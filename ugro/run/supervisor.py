@@ -222,22 +222,24 @@ class Supervisor:
             detected = time.time()
             survivors = self._survivors(statuses, hosts, main, gone, cause)
             if survivors is not None:
-                unanswered = self._regroup(survivors, main, generation + 1)
+                kept = recovery.rendezvous_for(survivors, main)  # the main host, or the first survivor where it is gone
+                unanswered = self._regroup(survivors, kept, generation + 1)
                 if not unanswered:
                     generation += 1
                     told = time.time()
                     self.restarts.append(Restart(
                         attempt=len(self.restarts) + 1, time=round(detected, 3), cause=cause, hosts_before=hosts,
                         hosts_after=survivors, left_out=[h for h in self.cluster.hosts if h not in survivors],
-                        rendezvous=main, checkpoint_step=None, last_step_seen=last_step, how="regroup",
+                        rendezvous=kept, checkpoint_step=None, last_step_seen=last_step, how="regroup",
                         membership_s=round(told - detected, 1),
                     ))  # fmt: skip
+                    moved = f"; {kept} keeps the run's records now" if kept != main else ""
                     self.console.print(
                         f"[bold yellow]restart {len(self.restarts)}/{self.job.train.max_restarts}:[/] the ranks on "
-                        f"{', '.join(survivors)} go on without {', '.join(gone)} (no relaunch)",
+                        f"{', '.join(survivors)} go on without {', '.join(gone)} (no relaunch{moved})",
                         highlight=False,
                     )
-                    hosts, relaunch = survivors, False
+                    hosts, main, relaunch = survivors, kept, False
                     continue
                 self.console.print(f"[yellow]regroup not possible, relaunching:[/] {unanswered}", highlight=False)
             if main not in gone:  # a copy from a host that is gone would only wait for its SSH timeout
