@@ -324,7 +324,8 @@ def train(
     collect = {"ugro_job_id": job_id, "ugro_rendezvous_host": outcome.main, "ugro_runs_dir": str(runs)}
     run_playbook("logs.yml", inventory, collect, control / "ansible", limit=outcome.hosts)
     outcome.record().write(run_dir)
-    ranks_phases = read_object(run_dir / "run.json").get("phases")  # the main rank's, collected with the logs
+    # The first main rank's, as a poll saw them, else as collected with the logs.
+    ranks_phases = supervisor.ranks_phases or read_object(run_dir / "run.json").get("phases")
     seconds = timing.seconds(supervisor.first_launch, ranks_phases if isinstance(ranks_phases, dict) else None)
     write_status(run_dir, launch_phases=seconds)
     console.print(f"[dim]to the first step: {phases.line(seconds)}[/]", highlight=False)

@@ -47,7 +47,7 @@ LAUNCH_PID = "launch.pid"
 LAUNCH_LOG = "torchrun.log"
 EXIT_CODE = "exit_code"
 PROGRESS_KEYS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s")
-RUN_KEYS = ("last_checkpoint", "resumed", "regrouped", "cause")
+RUN_KEYS = ("last_checkpoint", "resumed", "regrouped", "cause", "phases")
 
 
 def psutil_missing(host: str, module: str) -> str:

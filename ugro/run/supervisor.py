@@ -70,6 +70,9 @@ class Supervisor:
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ugro-checkpoint-copy")
         self._copying: Future[None] | None = None
         self.first_launch: PlaybookRun | None = None  # its events time the launch's phases (ugro/run/phases.py)
+        # The first launch's main rank's own phases (run.json ``phases``), as a poll saw them: the main host may be
+        # lost before the end, when the run's records are collected from another.
+        self.ranks_phases: dict[str, Any] | None = None
 
     def _copies_settled(self) -> None:
         """Wait for a checkpoint copy under way (a fault must not race it)."""
@@ -122,6 +125,8 @@ class Supervisor:
             watch.note(statuses)
             main_status = dict(statuses.get(main, {}))
             seen["step"] = max(seen["step"], int(main_status.get("step") or 0))
+            if self.ranks_phases is None and isinstance(main_status.get("phases"), dict):
+                self.ranks_phases = dict(main_status["phases"])
             if self.restarts and not self.restarts[-1].settled:
                 self._settle_when_seen(statuses, main, attempt, generation)
             if self.cluster.remote and main_status.get("state") == "running":
