@@ -108,7 +108,11 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
         assert tb.kill_processes(testbed.dir, "tb2", f"/opt/ugro/runs/{job_id}"), "no job process on tb2"
         _wait_for_step(testbed, "cluster-faults", 21, follower)
         survivors = {h: tb.host_processes(testbed.dir, h, WORKER) for h in ("tb1", "tb3")}
-        weights = [_rank_record(testbed, job_id, h)["regrouped"]["weights"] for h in ("tb1", "tb3")]
+        records = {h: _rank_record(testbed, job_id, h) for h in ("tb1", "tb3")}
+        if not all(r.get("regrouped") for r in records.values()):  # say what the controller did instead
+            follower.kill()
+            raise AssertionError(f"tb1 and tb3 did not regroup: {records}\n{follower.communicate()[0][-5000:]}")
+        weights = [r["regrouped"]["weights"] for r in records.values()]
         tb.set_link(testbed.dir, "tb1", up=False)
         deadline = time.monotonic() + 240
         while _generation(testbed, job_id, "tb3") < 2:
