@@ -71,8 +71,8 @@ class Watcher:
         self.generation = 0  # the group this rank is in
         self.broken: str | None = None  # why the current group cannot be used any more
         self._newest: Membership | None = None
-        self._pending: set[torch.futures.Future[Any]] = set()
-        self._inner: dict[torch.futures.Future[Any], torch.futures.Future[Any]] = {}  # outer -> the collective's own
+        # The collectives under way: the future a step waits on -> the collective's own.
+        self._pending: dict[torch.futures.Future[Any], torch.futures.Future[Any]] = {}
         self.abandoned: list[torch.futures.Future[Any]] = []  # collectives of broken groups, maybe still pending
         self._lock = threading.RLock()  # a future's callbacks may track another
         self._changed = threading.Event()
@@ -103,9 +103,8 @@ class Watcher:
         """The current group is broken: every collective under way fails now."""
         with self._lock:
             self.broken = self.broken or why
-            pending, self._pending = self._pending, set()
-            self.abandoned += [inner for outer, inner in self._inner.items() if outer in pending and not inner.done()]
-            self._inner = {}
+            pending, self._pending = self._pending, {}
+            self.abandoned += [inner for inner in pending.values() if not inner.done()]
             for future in pending:
                 if not future.done():
                     future.set_exception(GroupLost(why))
@@ -122,14 +121,12 @@ class Watcher:
                 if generation == self.generation:  # not a collective an earlier group abandoned, failing late
                     self.fail(f"a collective failed: {failure.one_line(exc)}")
                 with self._lock:
-                    self._pending.discard(outer)
-                    self._inner.pop(outer, None)
+                    self._pending.pop(outer, None)
                     if not outer.done():
                         outer.set_exception(GroupLost(failure.one_line(exc)))
                 return
             with self._lock:
-                self._pending.discard(outer)
-                self._inner.pop(outer, None)
+                self._pending.pop(outer, None)
                 if not outer.done():
                     outer.set_result(value)
 
@@ -137,8 +134,7 @@ class Watcher:
             if self.broken is not None:
                 outer.set_exception(GroupLost(self.broken))
                 return outer
-            self._pending.add(outer)
-            self._inner[outer] = inner
+            self._pending[outer] = inner
         inner.add_done_callback(done)
         return outer
 
