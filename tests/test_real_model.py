@@ -61,6 +61,30 @@ def test_4bit_run_learns_and_leaves_an_adapter(qlora_run: Path) -> None:
     assert config["base_model_name_or_path"] == MODEL
 
 
+def test_a_4bit_layer_still_passes_gradients_after_an_evaluation_on_cpu() -> None:
+    """The held-out loss before step 1 runs the 4-bit layers in eval mode without grad. On a CPU with AVX-512 BF16
+    bitsandbytes would then repack them for an inference kernel that autograd cannot go through, and the
+    training steps after it would get no gradient from below them (train/model.py keep_4bit_trainable_on_cpu)."""
+    import bitsandbytes as bnb
+
+    from train.model import keep_4bit_trainable_on_cpu
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    layer.load_state_dict({"weight": torch.randn(32, 64)})
+    layer = layer.to("cpu")  # quantizes
+    keep_4bit_trainable_on_cpu(layer)
+    layer.eval()
+    with torch.no_grad():
+        layer(torch.randn(3, 64))
+    layer.train()
+    x = torch.randn(3, 64, requires_grad=True)
+    layer(x).sum().backward()
+    weight = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    assert x.grad is not None
+    assert torch.allclose(x.grad, weight.sum(0).expand(3, -1), atol=1e-5)
+
+
 FRESH = """
 import json, sys
 import torch

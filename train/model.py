@@ -98,7 +98,21 @@ def load_base_hf(cfg: ModelConfig, base_dir: Path, device: torch.device, seed: i
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.source: cannot load '{name}': {exc}") from None
+    if cfg.quantization == "4bit" and device.type == "cpu":
+        keep_4bit_trainable_on_cpu(model)
     return cast(torch.nn.Module, model)
+
+
+def keep_4bit_trainable_on_cpu(model: torch.nn.Module) -> None:
+    """Keep bitsandbytes' 4-bit layers on the path that gradients flow through.
+
+    On a CPU with AVX-512 BF16, a ``Linear4bit`` that runs once in eval mode on an input without grad (the
+    held-out loss before step 1) repacks its weight, for good, for a bfloat16 inference kernel that autograd
+    cannot go through. Every later training step then gets no gradient from below that layer: the held-out loss
+    of the short 4-bit test fell 0.3 % instead of 12 %. The flag that allows the repacking is per layer."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def target_modules(model: torch.nn.Module, lora: LoraConfig, cfg: ModelConfig) -> list[str]:
