@@ -5,14 +5,19 @@ version and sha256) vendors llama.cpp whole: its converter ``convert_hf_to_gguf.
 written against, and the C++ library that the Python binding wraps. :func:`ensure` downloads it once with pip
 (``--no-deps``, this machine's pip configuration ignored), unpacks it, builds the binding's wheel with cmake
 (a few minutes on 2 cores) and installs it into a private directory; later calls find everything in the cache
-(``$UGRO_CACHE``, else ``~/.cache/ugro``), keyed by the source's hash, this Python and this machine's
-architecture. The build compiles for this CPU (llama.cpp's default), so the cache is per machine.
+(``$UGRO_CACHE``, else ``~/.cache/ugro``), keyed by the source's hash, the build's options, this Python and this
+machine's architecture.
+
+The build is portable (``GGML_NATIVE=OFF``: on x86-64, AVX2 with FMA and F16C, no AVX-512 or AMX) rather than
+llama.cpp's default ``-march=native``: on a CPU with AMX, the native build's AMX matrix kernel crashed (SIGSEGV)
+in the first decode of a q8_0 file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -38,7 +43,7 @@ SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 # Only the library the binding loads: no multimodal library, examples, tools, tests or server.
 CMAKE_ARGS = (
     "-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
-    "-DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF"
+    "-DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF"
 )
 MARKER = "build.json"
 
@@ -113,7 +118,8 @@ def fetch_sdist(cache: Path) -> Path:
 
 
 def build_dir(cache: Path) -> Path:
-    tag = f"{VERSION}-{SHA256[:12]}-py{sys.version_info.major}{sys.version_info.minor}-{platform.machine()}"
+    options = hashlib.sha256(CMAKE_ARGS.encode()).hexdigest()[:8]
+    tag = f"{VERSION}-{SHA256[:12]}-{options}-py{sys.version_info.major}{sys.version_info.minor}-{platform.machine()}"
     return cache / "llama.cpp" / tag
 
 
