@@ -1,7 +1,9 @@
 """A host's first rank tells the controller which peers it cannot reach (train/regroup.py Heartbeat), so that a
 host whose link is cut counts as gone after one silent status poll instead of two.
 
-Real sockets on loopback: a peer's regroup store (a real TCPStore) answers, a closed port does not.
+Real sockets on loopback: a peer's regroup store (a real TCPStore) answers; so does a host whose port is closed (it
+refuses: the host is up, its rank is gone); a listening socket whose queue is full drops the connect, as a host
+behind a cut link does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ def _closed_port() -> int:
         return int(sock.getsockname()[1])  # nothing listens once the socket is closed
 
 
+def _unanswering_port(held: list[socket.socket]) -> int:
+    """A port whose connects time out: a listener that never accepts, its queue filled (the kernel then drops SYNs)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    held.append(server)
+    port = int(server.getsockname()[1])
+    held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+    return port
+
+
 def _silent(path: Path, expected: list[str], within_s: float) -> list[str]:
     deadline = time.monotonic() + within_s
     found: list[str] = []
@@ -37,18 +50,25 @@ def _silent(path: Path, expected: list[str], within_s: float) -> list[str]:
     return found
 
 
-def test_a_peer_that_does_not_answer_is_reported_and_one_that_does_is_not(tmp_path: Path) -> None:
+def test_a_peer_that_does_not_answer_is_reported_and_one_that_answers_or_refuses_is_not(tmp_path: Path) -> None:
     (tmp_path / "hosts" / "h1").mkdir(parents=True)
     live = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
-    peers = {"h2": f"127.0.0.1:{live.port}", "h3": f"127.0.0.1:{_closed_port()}"}
+    held: list[socket.socket] = []
+    peers = {
+        "h2": f"127.0.0.1:{live.port}",
+        "h3": f"127.0.0.1:{_closed_port()}",  # up, its rank killed
+        "h4": f"127.0.0.1:{_unanswering_port(held)}",  # cut off
+    }
     beat = regroup.Heartbeat(tmp_path, "h1", peers)
     try:
         path = tmp_path / "hosts" / "h1" / regroup.PEERS
-        assert _silent(path, ["h3"], within_s=5) == ["h3"]
-        # What the controller's status poll reads (ugro_host_facts job subset).
-        assert ugro_jobstate.silent_peers(tmp_path, "h1") == ["h3"]
-        # After a regroup without h3 it is no peer any more.
-        beat.keep(("h1", "h2"))
+        assert _silent(path, ["h4"], within_s=5) == ["h4"]
+        time.sleep(3 * regroup.HEARTBEAT_S)  # and it stays so: h3 refuses at every round
+        assert ugro_jobstate.silent_peers(tmp_path, "h1") == ["h4"]  # what the controller's status poll reads
+        # After a regroup without h4 it is no peer any more.
+        beat.keep(("h1", "h2", "h3"))
         assert _silent(path, [], within_s=5) == []
     finally:
         beat.stop()
+        for sock in held:
+            sock.close()

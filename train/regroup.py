@@ -166,8 +166,10 @@ class Watcher:
 
 class Heartbeat:
     """This host's view of its peers, from its first rank: every HEARTBEAT_S seconds a TCP connect to each peer's
-    regroup store (open from the start on every host). The peers that failed SILENT_AFTER connects in a row are
-    written to ``hosts/<host>/peers.json`` ({"silent": [host, ...]}) whenever the list changes; the controller's
+    regroup store (open from the start on every host). A refused connect is an answer: the host is up and only its
+    job's process is gone (a killed rank is the controller's to tell, from the host's own status; counting its
+    host silent would make a crash look like a cut link). The peers whose connects went unanswered (a time-out,
+    no route) SILENT_AFTER times in a row are written to ``hosts/<host>/peers.json`` ({"silent": [host, ...]}) whenever the list changes; the controller's
     status poll reads it, and a host that neither the controller nor its peers can reach is gone after one poll
     instead of two (ugro/run/recovery.py ``Watch``)."""
 
@@ -198,6 +200,8 @@ class Heartbeat:
                 try:
                     socket.create_connection((address, int(port)), timeout=HEARTBEAT_S).close()
                     failed[host] = 0
+                except ConnectionRefusedError:
+                    failed[host] = 0  # the host answered: it is up, its rank is not (the controller's poll says so)
                 except OSError:
                     failed[host] = failed.get(host, 0) + 1
             silent = sorted(h for h in peers if failed.get(h, 0) >= SILENT_AFTER)
