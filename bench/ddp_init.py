@@ -125,6 +125,9 @@ def rank(hidden: int = 1024, layers: int = 8, vocab: int = 32000) -> None:
             figures[f"{key}_bytes"] = sum(e[key]["sent"] for e in ranks)  # on the wire, every host's
             figures[f"{key}_received"] = [e[key]["received"] for e in ranks]  # by rank
         print("DDPINIT " + json.dumps(figures), flush=True)
+    # Leave together: a rank that tore its group down while rank 0 was still at work once aborted in gloo
+    # ("terminate called without an active exception"), as train/worker.py's ranks did before their barrier.
+    dist.barrier()
     distributed.shutdown()
 
 
