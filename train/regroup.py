@@ -169,9 +169,9 @@ class Heartbeat:
     regroup store (open from the start on every host). A refused connect is an answer: the host is up and only its
     job's process is gone (a killed rank is the controller's to tell, from the host's own status; counting its
     host silent would make a crash look like a cut link). The peers whose connects went unanswered (a time-out,
-    no route) SILENT_AFTER times in a row are written to ``hosts/<host>/peers.json`` ({"silent": [host, ...]}) whenever the list changes; the controller's
-    status poll reads it, and a host that neither the controller nor its peers can reach is gone after one poll
-    instead of two (ugro/run/recovery.py ``Watch``)."""
+    no route) SILENT_AFTER times in a row are written to ``hosts/<host>/peers.json`` ({"silent": [host, ...]})
+    whenever the list changes; the controller's status poll reads it, and a host that neither the controller nor
+    its peers can reach is gone after one poll instead of two (ugro/run/recovery.py ``Watch``)."""
 
     def __init__(self, run_dir: Path, host: str, peers: dict[str, str]) -> None:
         self.path = run_dir / "hosts" / host / PEERS
