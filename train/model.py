@@ -112,7 +112,7 @@ def keep_4bit_trainable_on_cpu(model: torch.nn.Module) -> None:
     of the short 4-bit test fell 0.3 % instead of 12 %. The flag that allows the repacking is per layer."""
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+            setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010 (a bitsandbytes attribute torch does not type)
 
 
 def target_modules(model: torch.nn.Module, lora: LoraConfig, cfg: ModelConfig) -> list[str]:
