@@ -1,7 +1,8 @@
 """Action plugin of the host module ugro_code_tree: send the controller's code archive only where the host's code
 differs, and unpack it there in the same task.
 
-Three steps at most, one where the code is already the controller's (the common launch): the module hashes the
+Three steps at most, one where the code is already the controller's (the common launch), none where the caller
+knows that already (``known``: the host's hash that make train's fast checks read just before): the module hashes the
 host's code (and, where it differs, creates the code directory, the archive's landing place); the archive is
 sent there; the module unpacks it and verifies the hash. unarchive would take a directory check, a temporary
 directory, the transfer, a tar comparison of every member and its removal, plus a task to create the directory
@@ -25,11 +26,14 @@ class ActionModule(ActionBase):
         result: dict[str, Any] = super().run(tmp, task_vars)
         args = dict(self._task.args)
         src = args.pop("src", None)
+        known = args.pop("known", None)
         if src is None:  # only the hash, or a check against the controller's: the module alone
             return self._module(args, task_vars, result)
         expected = args.get("expected")
         if not expected:
             raise AnsibleActionFail("ugro_code_tree: src needs expected, the controller's tree hash of the archive")
+        if known == expected:  # the host's hash was read just before (the fast checks): no round trip at all
+            return result | {"changed": False, "hash": known, "why": None}
         source = os.path.expanduser(str(src))
         if not os.path.isfile(source):
             raise AnsibleActionFail(f"ugro_code_tree: the code archive {source} does not exist on the controller")

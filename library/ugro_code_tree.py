@@ -32,6 +32,11 @@ options:
   src:
     description: The code archive (tar.gz with its C(.ugro-code-manifest)) on the controller.
     type: path
+  known:
+    description: The host's tree hash as the caller learned it just before (make train's fast checks read it). With
+      O(src), where it equals O(expected), the action plugin reports the code as the controller's without asking
+      the host again; elsewhere it is ignored.
+    type: str
   prepare:
     description: Set by the action plugin, not by playbooks. Report the hash and, where it differs from O(expected),
       create O(path) and return C(landing), where the archive is to be sent.
@@ -109,6 +114,7 @@ def main() -> None:
             "host": {"type": "str"},
             "expected": {"type": "str"},
             "src": {"type": "path"},
+            "known": {"type": "str"},  # read by the action plugin only
             # The action plugin's two steps (not for playbooks): prepare reports the hash and, where it differs from
             # expected, creates the code directory and names where the archive lands; archive unpacks what landed.
             "prepare": {"type": "bool", "default": False},

@@ -29,8 +29,9 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return archive, codesync.pack(REPO, archive)
 
 
-def _sync(dest: Path, archive: Path, expected: str) -> dict[str, object]:
-    return run_module("ugro_code_tree", {"path": str(dest), "host": HOST, "src": str(archive), "expected": expected})
+def _sync(dest: Path, archive: Path, expected: str, known: str | None = None) -> dict[str, object]:
+    args = {"path": str(dest), "host": HOST, "src": str(archive), "expected": expected}
+    return run_module("ugro_code_tree", args | ({"known": known} if known else {}))
 
 
 def test_a_fresh_host_gets_the_controllers_code_and_a_second_sync_sends_nothing(
@@ -47,6 +48,20 @@ def test_a_fresh_host_gets_the_controllers_code_and_a_second_sync_sends_nothing(
     second = _sync(dest, archive, code_hash)
     assert not second["changed"] and not second["failed"] and second["hash"] == code_hash
     assert "landing" not in second  # the archive was not sent again
+
+
+def test_a_hash_the_fast_checks_just_read_spares_the_round_trip_only_where_it_is_the_controllers(
+    tmp_path: Path, packed: tuple[Path, str]
+) -> None:
+    """make train's fast checks read every host's code hash just before the launch (code_sync_known_hash)."""
+    archive, code_hash = packed
+    dest = tmp_path / "ugro"  # not there: a host asked anything would have to create it
+    spared = _sync(dest, archive, code_hash, known=code_hash)
+    assert not spared["changed"] and not spared["failed"] and spared["hash"] == code_hash
+    assert not dest.exists()
+    synced = _sync(dest, archive, code_hash, known="0" * 64)  # the host had other code: it gets the controller's
+    assert synced["changed"] and synced["hash"] == code_hash
+    assert (dest / "train" / "worker.py").read_bytes() == (REPO / "train" / "worker.py").read_bytes()
 
 
 def test_a_hand_edit_on_the_host_is_put_back(tmp_path: Path, packed: tuple[Path, str]) -> None:

@@ -345,6 +345,25 @@ def test_the_firewall_row_is_judged_in_the_fast_report() -> None:
 # ------------------------------------------------------------------------------------- this machine
 
 
+def test_the_first_launch_reads_the_fast_checks_facts_only_where_they_answer_its_questions() -> None:
+    """make train hands the launch what the fast checks just read on a host (ugro.checks.preflight.launch_facts),
+    so that the launch does not ask it again: only where the facts hold the run's state, the files it runs and the
+    cluster interface, and where the code they saw is the code being launched."""
+    from ugro.checks.preflight import Outcome, launch_facts
+
+    whole = {"job": {"state": "absent"}, "files": {"/opt/ugro/.venv/bin/python": {"executable": True}},
+             "cluster": {"address": "10.0.0.1", "interface": "eth0"}, "code": {"hash": "abc"}}  # fmt: skip
+    facts = {
+        "same-code": whole,
+        "other-code": whole | {"code": {"hash": "old"}},  # the sync will change it: the launch asks after it
+        "checkout": whole | {"code": {"hash": "old"}},  # runs the controller's own checkout (no sync)
+        "no-interface": whole | {"cluster": {"address": "10.0.0.4", "interface": None}},
+        "no-run-state": {k: v for k, v in whole.items() if k != "job"},  # fast checks run without a job id
+    }
+    outcome = Outcome(Report(list(facts), "same-code"), {}, facts, {}, {h: h != "checkout" for h in facts})
+    assert sorted(launch_facts(outcome, "abc")) == ["checkout", "same-code"]
+
+
 def test_local_fast_preflight_passes_without_the_heavy_phase(ugro: Run) -> None:
     result = ugro("preflight", "--fast", "--json", timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

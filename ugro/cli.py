@@ -177,7 +177,7 @@ def validate(
         raise _fail(f"the node lock cannot be judged: {why}")
     console.print(f"backend: {stack.policy(job.model.backend, cuda)}", highlight=False)
     if inventory is not None:  # _preflight names a missing inventory
-        planned = _fast_preflight(inventory, job, job_file)
+        planned = _fast_preflight(inventory, job, job_file).ranks
         console.print(f"{inventory}: ok, {ranks.describe(planned)} for a global batch of "
                       f"{job.train.global_batch_size}", highlight=False)  # fmt: skip
 
@@ -291,19 +291,21 @@ def train(
         raise _fail(f"{RUNS_ENV}={runs}: the hosts of {inventory} run this checkout (ugro_code_sync: false) and "
                     f"keep their runs in {REPO / 'runs'}; unset {RUNS_ENV} for them")  # fmt: skip
     _prepare_model(job)
-    planned = {} if skip_preflight else _fast_preflight(inventory, job, job_file)
-    timing.mark("preflight")
     job_id = _pick_run(job, resume, runs)
+    launch = {"ugro_job_id": job_id, "ugro_job_file": _relative_to_repo(job_file)}
+    checked = None if skip_preflight else _fast_preflight(inventory, job, job_file, launch)
+    planned = checked.ranks if checked else {}
+    timing.mark("preflight")
     run_dir = runs / job_id
     control = run_dir / ".control"
     code_hash = codesync.pack(REPO, control / "code.tar.gz")
     timing.mark("code archive")
-    extravars = {
-        "ugro_job_id": job_id,
-        "ugro_job_file": _relative_to_repo(job_file),
+    extravars = launch | {
         "ugro_code_archive": str(control / "code.tar.gz"),
         "ugro_code_hash": code_hash,
         "ugro_model_dirs": jobcheck.model_dirs(job, REPO),
+        # What the fast checks just read on each host, for the first launch not to ask it again.
+        "ugro_known_facts": preflight_run.launch_facts(checked, code_hash) if checked else {},
     }
     console.print(
         f"job [bold]{job_id}[/] on {inventory}: {job.train.max_steps} steps, global batch "
@@ -347,13 +349,18 @@ def train(
 
 
 def _preflight(
-    inventory: Path, thresholds: Thresholds, job_file: str | None, heavy: bool, backend: str
+    inventory: Path,
+    thresholds: Thresholds,
+    job_file: str | None,
+    heavy: bool,
+    backend: str,
+    launch: dict[str, str] | None = None,
 ) -> preflight_run.Outcome:
     if not inventory.is_file():
         raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
     control = runs_dir() / ".control" / "preflight"
     try:
-        return preflight_run.preflight(inventory, control, thresholds, job_file, heavy, backend)
+        return preflight_run.preflight(inventory, control, thresholds, job_file, heavy, backend, launch)
     except preflight_run.PreflightError as exc:
         raise _fail(f"preflight could not run on {inventory}: {exc}") from None
 
@@ -380,11 +387,14 @@ def _plan_before_launch(
         console.print(f"[dim]plan: {layout.describe()} ({layout.reason}; make plan shows it all)[/]", highlight=False)
 
 
-def _fast_preflight(inventory: Path, job: JobConfig, job_file: Path) -> dict[str, int]:
+def _fast_preflight(
+    inventory: Path, job: JobConfig, job_file: Path, launch: dict[str, str] | None = None
+) -> preflight_run.Outcome:
     """The fast checks before a launch: refuse on a FAIL, a backend a host cannot run or a global batch smaller
-    than the ranks the inventory starts; show WARNs. Returns the ranks per host."""
+    than the ranks the inventory starts; show WARNs. With ``launch`` (the run about to start), the facts they read
+    also answer the launch's own questions."""
     backend = job.model.backend
-    outcome = _preflight(inventory, Thresholds(), None, heavy=False, backend=backend)
+    outcome = _preflight(inventory, Thresholds(), None, heavy=False, backend=backend, launch=launch)
     unable = preflight_run.backend_problems(outcome.facts, backend)
     if unable:
         for line in unable:
@@ -404,7 +414,7 @@ def _fast_preflight(inventory: Path, job: JobConfig, job_file: Path) -> dict[str
     for name, host, cell in report.problems():
         if name != "gpu":  # a CPU host is not news on every launch
             console.print(f"[yellow]WARN[/] {name} @ {host}: {cell.cause}", highlight=False)
-    return outcome.ranks
+    return outcome
 
 
 @app.command(name="preflight")

@@ -47,6 +47,22 @@ class Outcome:
     seconds: dict[str, float]
     facts: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> its ugro_host facts
     ranks: dict[str, int] = field(default_factory=dict)  # host -> worker processes a launch starts there
+    code_sync: dict[str, bool] = field(default_factory=dict)  # host -> whether make train syncs the code there
+
+
+def launch_facts(outcome: Outcome, code_hash: str) -> dict[str, dict[str, Any]]:
+    """Per host, the fast checks' facts that the launch reads instead of asking the host the same again
+    (playbooks/train.yml ``ugro_known_facts``): where they hold the run's state, the files the launch runs and the
+    interface of the host's cluster address, and where the code they saw is the code being launched (the host has
+    the controller's hash, or runs the controller's own checkout). Other hosts answer the launch themselves."""
+    known: dict[str, dict[str, Any]] = {}
+    for host, facts in outcome.facts.items():
+        if not (facts.get("job") and facts.get("files") and (facts.get("cluster") or {}).get("interface")):
+            continue
+        if outcome.code_sync.get(host, True) and (facts.get("code") or {}).get("hash") != code_hash:
+            continue
+        known[host] = facts
+    return known
 
 
 def backend_problems(facts: dict[str, dict[str, Any]], backend: str) -> list[str]:
@@ -95,11 +111,13 @@ def _context(run: PlaybookRun) -> dict[str, Any]:
 
 
 def run_fast(
-    inventory: Path, control: Path, thresholds: Thresholds, backend: str = "auto"
+    inventory: Path, control: Path, thresholds: Thresholds, backend: str = "auto", launch: dict[str, str] | None = None
 ) -> tuple[Report, PlaybookRun]:
-    """The fast checks on every host of the inventory, for a job whose model.backend is ``backend``."""
+    """The fast checks on every host of the inventory, for a job whose model.backend is ``backend``; with
+    ``launch`` (ugro_job_id and ugro_job_file of the run about to start) they also read what its launch asks."""
     controller_hash = codetree.tree_hash(REPO, codetree.code_files(REPO))
     extravars = {"ugro_preflight_phase": "fast", "ugro_preflight_ephemeral_port": random.randint(40000, 60000)}
+    extravars |= launch or {}
     run = run_playbook("preflight.yml", inventory, extravars, control / "fast")
     ctx = _context(run)
     hosts: list[str] = list(ctx["hosts"])
@@ -161,9 +179,10 @@ def preflight(
     job_file: str | None = None,
     heavy: bool = False,
     backend: str = "auto",
+    launch: dict[str, str] | None = None,
 ) -> Outcome:
     started = time.monotonic()
-    report, run = run_fast(inventory, control, thresholds, backend)
+    report, run = run_fast(inventory, control, thresholds, backend, launch)
     facts = {
         h: dict(f["preflight_report"]["host"])
         for h, f in run.facts.items()
@@ -176,7 +195,9 @@ def preflight(
         mid = time.monotonic()
         run_heavy(report, inventory, job_file, control, thresholds)
         seconds["heavy"] = time.monotonic() - mid
-    return Outcome(report, seconds, facts, ranks)
+    contexts = {h: f["preflight_context"] for h, f in run.facts.items() if isinstance(f.get("preflight_context"), dict)}
+    code_sync = {h: bool(c.get("code_sync", True)) for h, c in contexts.items()}
+    return Outcome(report, seconds, facts, ranks, code_sync)
 
 
 def _cell_text(cell: Cell) -> str:

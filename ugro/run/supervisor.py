@@ -82,7 +82,9 @@ class Supervisor:
     # -- one launch ---------------------------------------------------------------------------------------
 
     def _launch(self, attempt: int, hosts: list[str], main: str, resume: bool) -> PlaybookRun:
-        extravars = self.extravars | {
+        # The fast checks' facts are the first launch's only: a relaunch asks the hosts what holds now.
+        first = {k: v for k, v in self.extravars.items() if attempt == 0 or k != "ugro_known_facts"}
+        extravars = first | {
             "ugro_attempt": attempt,
             "ugro_rendezvous_host": main,
             "ugro_resume": "auto" if resume else "none",
