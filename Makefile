@@ -13,7 +13,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: role-docs export chat train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-4bit bench-pipeline bench-pipeline-cluster
+.PHONY: role-docs export chat train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-launch bench-4bit bench-pipeline bench-pipeline-cluster
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -173,6 +173,11 @@ bench-ddp-init: venv
 # Launch -> first step, and a lost host -> first step on the survivors, on the 3-host test cluster (root).
 bench-recovery: venv
 	$(PY) -m bench.recovery
+
+# make train on the 3-host test cluster, its fast checks included, to the first step: fresh hosts, the same hosts
+# again (the launch reads the checks' facts), and without the checks (needs root).
+bench-launch: venv
+	$(PY) -m bench.launch
 
 # The default job with model.quantization 4bit against the same job unquantized (same seed): held-out and
 # training loss side by side. BENCH_ARGS="--variants none-float32,4bit-float32,4bit-bfloat16 --steps 24".

@@ -1,0 +1,89 @@
+"""`make bench-launch`: `make train` on the 3-host test cluster, its fast checks included, to the first step.
+
+Brings up the 3-host test cluster (network namespaces, real SSH, gloo over veth; needs root) and launches one
+short job three times through the real controller (`ugro train`): on fresh hosts (the code is sent), again on
+the same hosts (the fast checks find the controller's code there, and the launch reads their facts instead of
+asking again: `ugro_known_facts`), and again without the fast checks (`--skip-preflight`, what the checks cost).
+Each run's phases are the controller's own record of its first launch (run.json ``launch_phases``). The last
+line is one JSON object with the three totals and the machine's mean 1-minute load average over the runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from testbed import cluster as testbed_cluster
+
+REPO = Path(__file__).resolve().parent.parent
+SUBNET = "10.213.10.0/24"  # its own: `make test`, `make testbed-up` and `make bench-recovery` use others
+NAME = "bench-launch"
+TOTAL = "total: make train -> first step"
+console = Console(width=170)
+
+
+def _launch(job_file: Path, cluster: Path, checks: bool) -> dict[str, Any]:
+    """One `ugro train` to its end; the controller's record of its first launch's phases."""
+    before = set((REPO / "runs").glob(f"{NAME}-*"))
+    argv = [sys.executable, "-m", "ugro.cli", "train", "--job", str(job_file), "--inventory", str(cluster),
+            "--poll", "2", *([] if checks else ["--skip-preflight"])]  # fmt: skip
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the job failed:\n{(done.stdout + done.stderr)[-4000:]}")
+    (run_dir,) = set((REPO / "runs").glob(f"{NAME}-*")) - before
+    return dict(json.loads((run_dir / "run.json").read_text())["launch_phases"])
+
+
+def main() -> int:
+    directory = Path(tempfile.mkdtemp(prefix="ugro-bench-launch-"))
+    job_file = REPO / "jobs" / f"{NAME}.yaml"
+    bed = testbed_cluster.up(directory, hosts=3, subnet=SUBNET)
+    try:
+        cluster = testbed_cluster.one_rank_per_host(bed, directory / "cluster.yml")
+        job = yaml.safe_load((REPO / "jobs" / "tiny.yaml").read_text())
+        job |= {"name": NAME, "balance": "equal"}
+        job["train"] = {**job.get("train", {}), "max_steps": 3, "global_batch_size": 6, "log_every": 1}
+        job["schedule"] = {**job.get("schedule", {}), "warmup_steps": 1}
+        job["checkpoint"] = {"every": 3, "keep_last": 1}
+        job.pop("eval", None)
+        job_file.write_text(yaml.safe_dump(job, sort_keys=False))
+        loads = [os.getloadavg()[0]]
+        runs: dict[str, dict[str, Any]] = {}
+        for label, checks in (("fresh hosts, with the fast checks", True),
+                              ("same hosts, with the fast checks", True),
+                              ("same hosts, --skip-preflight", False)):  # fmt: skip
+            runs[label] = _launch(job_file, cluster, checks)
+            loads.append(os.getloadavg()[0])
+        phases = list(dict.fromkeys(p for seconds in runs.values() for p in seconds))
+        table = Table(title="make train -> first step on the 3-host test cluster (seconds; this machine's load shows)")
+        table.add_column("phase")
+        for label in runs:
+            table.add_column(label)
+        for phase in phases:
+            table.add_row(phase, *(f"{seconds[phase]:.1f}" if phase in seconds else "-" for seconds in runs.values()))
+        console.print(table)
+        fresh, warm, unchecked = (seconds.get(TOTAL) for seconds in runs.values())
+        result = {
+            "fresh_with_checks_s": fresh,
+            "warm_with_checks_s": warm,
+            "warm_without_checks_s": unchecked,
+            "load": round(sum(loads) / len(loads), 2),
+        }
+        print(json.dumps(result), flush=True)
+        return 0
+    finally:
+        testbed_cluster.down(directory)
+        job_file.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
