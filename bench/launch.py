@@ -18,10 +18,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 
+from bench.cluster_job import tiny_job
 from testbed import cluster as testbed_cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,24 +45,18 @@ def _launch(job_file: Path, cluster: Path, checks: bool) -> dict[str, Any]:
 
 def main() -> int:
     directory = Path(tempfile.mkdtemp(prefix="ugro-bench-launch-"))
-    job_file = REPO / "jobs" / f"{NAME}.yaml"
     bed = testbed_cluster.up(directory, hosts=3, subnet=SUBNET)
     try:
         cluster = testbed_cluster.one_rank_per_host(bed, directory / "cluster.yml")
-        job = yaml.safe_load((REPO / "jobs" / "tiny.yaml").read_text())
-        job |= {"name": NAME, "balance": "equal"}
-        job["train"] = {**job.get("train", {}), "max_steps": 3, "global_batch_size": 6, "log_every": 1}
-        job["schedule"] = {**job.get("schedule", {}), "warmup_steps": 1}
-        job["checkpoint"] = {"every": 3, "keep_last": 1}
-        job.pop("eval", None)
-        job_file.write_text(yaml.safe_dump(job, sort_keys=False))
+        train = {"max_steps": 3, "global_batch_size": 6, "log_every": 1}
         loads = [os.getloadavg()[0]]
         runs: dict[str, dict[str, Any]] = {}
-        for label, checks in (("fresh hosts, with the fast checks", True),
-                              ("same hosts, with the fast checks", True),
-                              ("same hosts, --skip-preflight", False)):  # fmt: skip
-            runs[label] = _launch(job_file, cluster, checks)
-            loads.append(os.getloadavg()[0])
+        with tiny_job(NAME, train=train, schedule={"warmup_steps": 1}, checkpoint={"every": 3}) as job_file:
+            for label, checks in (("fresh hosts, with the fast checks", True),
+                                  ("same hosts, with the fast checks", True),
+                                  ("same hosts, --skip-preflight", False)):  # fmt: skip
+                runs[label] = _launch(job_file, cluster, checks)
+                loads.append(os.getloadavg()[0])
         phases = list(dict.fromkeys(p for seconds in runs.values() for p in seconds))
         table = Table(title="make train -> first step on the 3-host test cluster (seconds; this machine's load shows)")
         table.add_column("phase")
@@ -82,7 +76,6 @@ def main() -> int:
         return 0
     finally:
         testbed_cluster.down(directory)
-        job_file.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ machine's mean 1-minute load average over the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 
+from bench.cluster_job import tiny_job
 from testbed import cluster as testbed_cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,17 +65,14 @@ def _first_step_after(bed: Any, job_id: str, moment: float) -> float:
 def main() -> int:
     tb = testbed_cluster
     directory = Path(tempfile.mkdtemp(prefix="ugro-bench-recovery-"))
-    job_file = REPO / "jobs" / f"{NAME}.yaml"
+    jobs = contextlib.ExitStack()
     bed = tb.up(directory, hosts=3, subnet=SUBNET)
     try:
         cluster = tb.one_rank_per_host(bed, directory / "cluster.yml")
-        job = yaml.safe_load((REPO / "jobs" / "tiny.yaml").read_text())
-        job |= {"name": NAME, "balance": "equal"}
-        job["train"] = {**job.get("train", {}), "max_steps": 40, "global_batch_size": 6, "log_every": 10}
-        job["checkpoint"] = {"every": 5, "keep_last": 3}
-        job["distributed"] = {**job.get("distributed", {}), "timeout_s": 20}
-        job.pop("eval", None)
-        job_file.write_text(yaml.safe_dump(job, sort_keys=False))
+        train = {"max_steps": 40, "global_batch_size": 6, "log_every": 10}
+        job_file = jobs.enter_context(
+            tiny_job(NAME, train=train, checkpoint={"every": 5, "keep_last": 3}, distributed={"timeout_s": 20})
+        )
         argv = [sys.executable, "-m", "ugro.cli", "train", "--job", str(job_file), "--inventory", str(cluster),
                 "--poll", "2", "--skip-preflight"]  # fmt: skip
         loads = [os.getloadavg()[0]]
@@ -133,7 +131,7 @@ def main() -> int:
     finally:
         tb.set_link(bed.dir, "tb1", up=True)
         tb.down(directory)
-        job_file.unlink(missing_ok=True)
+        jobs.close()
 
 
 if __name__ == "__main__":
