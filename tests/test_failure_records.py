@@ -21,7 +21,7 @@ from helpers import REPO, run_env, write_job
 
 from train.config import ConfigError
 from train.failure import NonFiniteError, Stopped, kind_of
-from ugro.run import recovery
+from ugro.run import follow, recovery
 
 HOST = os.uname().nodename
 
@@ -159,6 +159,17 @@ def test_one_silent_poll_is_a_fault_when_the_hosts_that_answer_cannot_reach_it_e
     alone = {"a": _status("running"), "b": cut | {"silent_peers": ["a"]}}
     watch.note(alone)
     assert watch.unreachable() == [] and watch.verdict(alone) == "running"
+
+
+def test_a_host_that_stops_answering_is_asked_again_at_once_but_only_once() -> None:
+    """The poll that saw the silence already waited out its timeout; the next one decides (vouched or not), and a
+    host that stays silent does not turn the follow into a busy loop of playbooks."""
+    cut = {"state": "unreachable", "error": "timeout"}
+    running = {"a": _status("running"), "b": _status("running")}
+    pacer = follow.Pacer(2.0)
+    waits = [pacer.pause(statuses) for statuses in (running, running | {"b": cut}, running | {"b": cut},
+                                                     running, running | {"b": cut}, {"a": cut, "b": cut})]  # fmt: skip
+    assert waits == [2.0, 0.0, 2.0, 2.0, 0.0, 0.0]
 
 
 def _alive(parts: dict[str, str] | None = None) -> dict:

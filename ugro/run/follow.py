@@ -65,6 +65,23 @@ def ended(statuses: Statuses) -> bool:
     return bool(statuses) and all(s.get("state") in ENDED for s in statuses.values())
 
 
+class Pacer:
+    """How long to wait before the next poll: ``poll_s``, except right after a host stopped answering.
+
+    A host silent on one poll counts as gone only on the next (or when its peers vouch it silent), and a poll that
+    was under way when its link went down has already waited out the status timeout for it: ask again at once,
+    once per host that turned silent, so that a cut link is not also held for ``poll_s``."""
+
+    def __init__(self, poll_s: float) -> None:
+        self.poll_s = poll_s
+        self.silent: set[str] = set()
+
+    def pause(self, statuses: Statuses) -> float:
+        silent = {host for host, status in statuses.items() if status.get("state") == "unreachable"}
+        newly, self.silent = silent - self.silent, silent
+        return 0.0 if newly else self.poll_s
+
+
 def _progress_row(statuses: Statuses) -> dict[str, Any] | None:
     return next((s for s in statuses.values() if "step" in s), None)
 
@@ -90,6 +107,7 @@ def follow(source: StatusSource, console: Console, poll_s: float, until: Until =
         TextColumn("ETA {task.fields[eta]}"),
         TimeElapsedColumn(),
     )
+    pacer = Pacer(poll_s)
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=None, loss="-", tps="-", eta="--:--")
         while True:
@@ -100,11 +118,12 @@ def follow(source: StatusSource, console: Console, poll_s: float, until: Until =
                                 tps=f"{row['tokens_per_s']:.0f}", eta=_eta(row["eta_s"]))  # fmt: skip
             if until(statuses):
                 return statuses
-            time.sleep(poll_s)
+            time.sleep(pacer.pause(statuses))
 
 
 def _follow_plain(source: StatusSource, console: Console, poll_s: float, until: Until) -> Statuses:
     last_step, next_report = -1, 0.0
+    pacer = Pacer(poll_s)
     while True:
         statuses = source()
         row = _progress_row(statuses)
@@ -116,4 +135,4 @@ def _follow_plain(source: StatusSource, console: Console, poll_s: float, until: 
             last_step, next_report = row["step"], now + 5
         if done:
             return statuses
-        time.sleep(poll_s)
+        time.sleep(pacer.pause(statuses))
