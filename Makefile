@@ -13,7 +13,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: role-docs export chat train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-launch bench-4bit bench-pipeline bench-pipeline-cluster
+.PHONY: role-docs export chat train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-launch bench-rank-start bench-4bit bench-pipeline bench-pipeline-cluster
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -27,6 +27,7 @@ help:
 	@echo "make bench-pipeline-cluster  the default model in 3 stages across the test cluster vs data parallel (root)"
 	@echo "make bench-ddp-init  bytes and time DDP broadcasts at start-up, plain vs ugro, on the test cluster (root)"
 	@echo "make bench-exporter  the node exporter's CPU cost at one scrape every 5 s"
+	@echo "make bench-rank-start  one host's CPU to start a rank: torchrun's way vs ranks forked from a warm launcher"
 	@echo "make bench-4bit      the default job in 4-bit QLoRA against the same job unquantized: held-out loss by step"
 	@echo "make testbed-up N=3 / make testbed-down   a test cluster of N hosts on this machine (root)"
 	@echo "make export [JOB_ID=...] [FORMAT=gguf]   the run's model merged into its base (runs/<job-id>/merged), or as GGUF + Ollama Modelfile (runs/<job-id>/gguf)"
@@ -178,6 +179,11 @@ bench-recovery: venv
 # again (the launch reads the checks' facts), and without the checks (needs root).
 bench-launch: venv
 	$(PY) -m bench.launch
+
+# The CPU one host spends to start a rank and run one step: torchrun starting `-m train.worker` anew, against a
+# launcher that imported the stack once and forks its rank (bench/rank_start.py). The last line is a JSON object.
+bench-rank-start: venv
+	$(PY) -m bench.rank_start run $(BENCH_ARGS)
 
 # The default job with model.quantization 4bit against the same job unquantized (same seed): held-out and
 # training loss side by side. BENCH_ARGS="--variants none-float32,4bit-float32,4bit-bfloat16 --steps 24".

@@ -1,0 +1,116 @@
+"""`make bench-rank-start`: the CPU one host spends to start a rank, torchrun's way against ranks forked from a
+launcher that imported the stack once.
+
+On the 3-host test cluster the launch's seconds are mostly CPU: three torchrun agents and three ranks share two
+cores, and each imports torch, the rank transformers and peft as well (docs/results.md, "Recovery"). torchrun
+starts a module entrypoint (``-m train.worker``) as a new interpreter, so a rank imports torch again after its agent
+did. torch's elastic launcher can instead fork a function entrypoint from a process that has already imported
+everything. This benchmark times both, on this machine, each a one-host run of the tiny job for one step with no
+evaluation (one rank, gloo on the CPU): wall seconds and the CPU seconds of the whole process tree. The last line
+printed is one JSON object. It measures a design option; ugro launches with torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parent.parent
+console = Console()
+app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0] if __doc__ else None)
+
+
+def _one_step_job(folder: Path) -> Path:
+    job = yaml.safe_load((REPO / "jobs" / "tiny.yaml").read_text())
+    job.pop("eval", None)
+    job["name"] = "rank-start"
+    job["train"] |= {"max_steps": 1}
+    job["schedule"] |= {"warmup_steps": 0}
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _timed(argv: list[str]) -> tuple[float, float]:
+    """Wall and CPU seconds (user + system, every descendant the run waited for) of one run of ``argv``."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    began = time.monotonic()
+    done = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+    wall = time.monotonic() - began
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(argv[:6])} ... failed ({done.returncode}):\n{done.stdout[-3000:]}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+@app.command()
+def run(repeat: Annotated[int, typer.Option(min=1, help="runs of each way")] = 3) -> None:
+    """Time both ways, alternating, and print the figures."""
+    figures: dict[str, list[tuple[float, float]]] = {"torchrun": [], "forked": []}
+    with tempfile.TemporaryDirectory(prefix="ugro-bench-rank-start-") as tmp:
+        job = _one_step_job(Path(tmp))
+        for index in range(repeat):
+            for way in figures:
+                run_dir = Path(tmp) / f"{way}-{index}"
+                worker = ["--job", str(job), "--run-dir", str(run_dir), "--code-dir", str(REPO)]
+                if way == "torchrun":
+                    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone",
+                            "-m", "train.worker", *worker]  # fmt: skip
+                else:
+                    argv = [sys.executable, "-m", "bench.rank_start", "forked", *worker]
+                figures[way].append(_timed(argv))
+    table = Table(title=f"a one-step tiny job on one host, {repeat} runs each (load {os.getloadavg()[0]:.2f})")
+    for column in ("way", "wall s", "CPU s (all processes)"):
+        table.add_column(column)
+    for way, rows in figures.items():
+        table.add_row(way, " / ".join(f"{w:.2f}" for w, _ in rows), " / ".join(f"{c:.2f}" for _, c in rows))
+    console.print(table)
+    best = {way: min(c for _, c in rows) for way, rows in figures.items()}
+    print(json.dumps({"torchrun_cpu_s": round(best["torchrun"], 2), "forked_cpu_s": round(best["forked"], 2),
+                      "saved_cpu_s_per_host": round(best["torchrun"] - best["forked"], 2),
+                      "load": round(os.getloadavg()[0], 2)}), flush=True)  # fmt: skip
+
+
+def _rank(argv: list[str]) -> int:
+    from train import worker
+
+    return worker.main(argv)
+
+
+@app.command(hidden=True, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def forked(context: typer.Context) -> None:
+    """The launcher of the forked way: import what a rank imports, then fork the rank from this process."""
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # as a rank without 4-bit keeps it out
+    import peft  # noqa: F401
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    import train.loop  # noqa: F401
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="rank-start", rdzv_backend="c10d",
+                          rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"is_host": True}, max_restarts=0,
+                          start_method="fork")  # fmt: skip
+    elastic_launch(config, _rank)(list(context.args))
+
+
+if __name__ == "__main__":
+    app()
