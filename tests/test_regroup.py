@@ -4,9 +4,10 @@ Five "hosts" on this machine (five torchrun agents, one rank each, told apart by
 loopback) run a real job; the test plays the controller: when a host's rank is gone it writes the survivors'
 membership file, as playbooks/regroup.yml does. The faults are real SIGKILLs at exact points of a step
 (tests/fixtures/faulty_worker.py): h2 dies with its gradient all-reduce under way, h4 in the middle of its
-optimizer step, then h5 after its step, while the others gather every rank's RNG state for a checkpoint (a
-blocking collective, which gloo fails with a plain RuntimeError). The multi-host version with the real controller,
-SSH and network namespaces is tests/test_recovery.py.
+optimizer step, then h5 freezes (SIGSTOP, as a cut link: no peer hears a reset) after its step, while the others
+gather every rank's RNG state for a checkpoint; they leave that gather when the controller names who is left, not
+at the collective timeout. The multi-host version with the real controller, SSH and network namespaces is
+tests/test_recovery.py.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ def _tell(run_dir: Path, generation: int, hosts: list[str]) -> None:
         os.replace(tmp, path)
 
 
-def _wait_dead(pid: int, agents: dict[str, subprocess.Popen[bytes]], deadline: float) -> None:
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline, f"rank {pid} did not die"
+def _wait_gone(pid: int, agents: dict[str, subprocess.Popen[bytes]], deadline: float) -> None:
+    """Until the rank ``pid`` died, or froze itself (SIGSTOP)."""
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED):
+        assert time.monotonic() < deadline, f"rank {pid} did not die or stop"
         assert all(a.poll() in (None, 0, 1) for a in agents.values())
         time.sleep(0.05)
 
@@ -75,6 +77,7 @@ def test_survivors_of_kills_in_the_all_reduce_the_optimizer_and_a_checkpoint_go_
         log = (tmp_path / f"{host}.log").open("wb")
         agents[host] = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)  # fmt: skip
+    pids: dict[str, int | None] = {}
     try:
         deadline = time.monotonic() + 240
         while any(_pid(run_dir, h) is None for h in HOSTS):
@@ -83,12 +86,15 @@ def test_survivors_of_kills_in_the_all_reduce_the_optimizer_and_a_checkpoint_go_
         pids = {h: _pid(run_dir, h) for h in HOSTS}
         left = list(HOSTS)
         for generation, lost in enumerate(("h2", "h4", "h5"), start=1):
-            _wait_dead(pids[lost] or 0, agents, deadline)
+            _wait_gone(pids[lost] or 0, agents, deadline)
             left.remove(lost)
             _tell(run_dir, generation, left)
         while agents["h1"].poll() is None and json.loads((run_dir / "run.json").read_text()).get("state") != "finished":
             assert time.monotonic() < deadline, (tmp_path / "h1.log").read_text()[-3000:]
             time.sleep(0.2)
+        # The frozen h5 ends now, so that the survivors' abandoned gather fails and they exit without waiting for its
+        # timeout (``Watcher.settle``).
+        os.kill(pids["h5"] or 0, signal.SIGKILL)
         # The survivors ran every step in the processes they started with; torchrun's agents then wait at their
         # exit barrier for the lost hosts' agents (the controller ends them), so the test ends them too.
         assert {h: _pid(run_dir, h) for h in left} == {h: pids[h] for h in left}
@@ -96,6 +102,8 @@ def test_survivors_of_kills_in_the_all_reduce_the_optimizer_and_a_checkpoint_go_
             assert time.monotonic() < deadline
             time.sleep(0.2)
     finally:
+        if psutil.pid_exists(pids.get("h5") or 0):
+            os.kill(pids["h5"] or 0, signal.SIGKILL)  # frozen: its session is not its agent's
         for agent in agents.values():
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
@@ -113,3 +121,5 @@ def test_survivors_of_kills_in_the_all_reduce_the_optimizer_and_a_checkpoint_go_
     logs = {h: (run_dir / "logs").glob(f"{h}-rank*.log") for h in left}
     text = "\n".join(p.read_text() for paths in logs.values() for p in paths)
     assert all(f"regroup {g}: rank" in text for g in (1, 2, 3)), text[-3000:]
+    # The frozen h5 sends nothing: the gather ended because the controller named who is left, not at its timeout.
+    assert "step 17: the group lost a member (GroupLost: the controller named a new membership (generation 3" in text

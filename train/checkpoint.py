@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from train import distributed, regroup
 from train.digest import sha256_file
 
 log = logging.getLogger(__name__)
@@ -105,12 +106,10 @@ def latest_valid(run_dir: Path) -> Path | None:
 
 
 def gather_rngs() -> list[Any]:
-    """Collective: every rank's RNG states, by rank."""
-    rngs: list[Any] = [rng_state()]
-    if dist.is_initialized():
-        rngs = [None] * dist.get_world_size()
-        dist.all_gather_object(rngs, rng_state())
-    return rngs
+    """Collective: every rank's RNG states, by rank (abandoned, like a step's all-reduce, when a peer is lost)."""
+    if not dist.is_initialized():
+        return [rng_state()]
+    return regroup.gather_objects(rng_state(), distributed.control_group())
 
 
 def save(

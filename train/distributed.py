@@ -120,7 +120,7 @@ def wait_for_all(what: str, timeout_s: int) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     try:
-        dist.monitored_barrier(group=_control_group(), timeout=datetime.timedelta(seconds=timeout_s))
+        dist.monitored_barrier(group=control_group(), timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise dist.DistError(f"waiting until {what}: {exc}") from exc
 
@@ -128,8 +128,9 @@ def wait_for_all(what: str, timeout_s: int) -> None:
 _CONTROL: list[dist.ProcessGroup] = []
 
 
-def _control_group() -> dist.ProcessGroup | None:
-    """The gloo group for monitored barriers: the default group on CPU, a gloo group beside NCCL on GPUs."""
+def control_group() -> dist.ProcessGroup | None:
+    """The gloo group for monitored barriers and gathers of Python objects: the default group (None) on CPU, a gloo
+    group beside NCCL on GPUs."""
     if dist.get_backend() == "gloo":
         return None
     if not _CONTROL:

@@ -19,6 +19,7 @@ import datetime
 import json
 import logging
 import os
+import pickle
 import socket
 import threading
 import time
@@ -246,6 +247,22 @@ def abandonable(inner: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
 def wait(work: dist.Work) -> None:
     """Wait for a collective started with ``async_op=True``; GroupLost if it fails or the group is declared broken."""
     abandonable(work.get_future()).wait()
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Collective: every rank's ``obj`` (picklable), by rank, as ``dist.all_gather_object`` gives them, but in two
+    collectives a new membership abandons (``wait``) where that one blocks until the collective timeout. CPU tensors:
+    ``group`` must be a gloo group (the default one on CPU; ``distributed.control_group()`` beside NCCL)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    wait(dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group, async_op=True))
+    longest = max(int(size) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    wait(dist.all_gather(gathered, padded, group=group, async_op=True))
+    return [pickle.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(gathered, sizes, strict=True)]
 
 
 def broken(exc: BaseException) -> bool:
