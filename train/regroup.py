@@ -272,8 +272,8 @@ def broken(exc: BaseException) -> bool:
         return False
     if isinstance(exc, GroupLost) or watch.broken is not None:
         return True
-    # Any failed collective, not only the step's abandonable all-reduce: gloo raises a plain RuntimeError for a peer
-    # that reset the connection during a blocking one (the checkpoint's gather of RNG states, the held-out loss).
+    # Any failed collective, also one not run through ``wait``: gloo raises a plain RuntimeError for a peer that
+    # reset the connection during a blocking one.
     if failure.kind_of(exc) == "collective":
         watch.fail(f"a collective failed: {failure.one_line(exc)}")
         return True
