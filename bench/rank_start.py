@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,30 +23,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-import yaml
 from rich.console import Console
 from rich.table import Table
+
+from bench.cluster_job import tiny_job
+from testbed.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 console = Console()
 app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0] if __doc__ else None)
-
-
-def _one_step_job(folder: Path) -> Path:
-    job = yaml.safe_load((REPO / "jobs" / "tiny.yaml").read_text())
-    job.pop("eval", None)
-    job["name"] = "rank-start"
-    job["train"] |= {"max_steps": 1}
-    job["schedule"] |= {"warmup_steps": 0}
-    path = folder / "job.yaml"
-    path.write_text(yaml.safe_dump(job, sort_keys=False))
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _timed(argv: list[str]) -> tuple[float, float]:
@@ -66,8 +50,8 @@ def _timed(argv: list[str]) -> tuple[float, float]:
 def run(repeat: Annotated[int, typer.Option(min=1, help="runs of each way")] = 3) -> None:
     """Time both ways, alternating, and print the figures."""
     figures: dict[str, list[tuple[float, float]]] = {"torchrun": [], "forked": []}
-    with tempfile.TemporaryDirectory(prefix="ugro-bench-rank-start-") as tmp:
-        job = _one_step_job(Path(tmp))
+    with (tempfile.TemporaryDirectory(prefix="ugro-bench-rank-start-") as tmp,
+          tiny_job("bench-rank-start", train={"max_steps": 1}, schedule={"warmup_steps": 0}) as job):  # fmt: skip
         for index in range(repeat):
             for way in figures:
                 run_dir = Path(tmp) / f"{way}-{index}"
@@ -107,7 +91,7 @@ def forked(context: typer.Context) -> None:
     import train.loop  # noqa: F401
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="rank-start", rdzv_backend="c10d",
-                          rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"is_host": True}, max_restarts=0,
+                          rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"is_host": True}, max_restarts=0,
                           start_method="fork")  # fmt: skip
     elastic_launch(config, _rank)(list(context.args))
 
