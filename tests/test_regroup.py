@@ -2,7 +2,7 @@
 
 Five "hosts" on this machine (five torchrun agents, one rank each, told apart by UGRO_HOST, gloo over
 loopback) run a real job; the test plays the controller: when a host's rank is gone it writes the survivors'
-membership file, as playbooks/regroup.yml does. The faults are real SIGKILLs at exact points of a step
+membership file, as playbooks/regroup.yml does. The faults are real signals at exact points of a step
 (tests/fixtures/faulty_worker.py): h2 dies with its gradient all-reduce under way, h4 in the middle of its
 optimizer step, then h5 freezes (SIGSTOP, as a cut link: no peer hears a reset) after its step, while the others
 gather every rank's RNG state for a checkpoint; they leave that gather when the controller names who is left, not
