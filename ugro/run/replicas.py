@@ -13,6 +13,7 @@ import os
 import shutil
 import tarfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,16 +33,23 @@ class Replicator:
     keep_last: int
     remote: bool  # False where the hosts write into the controller's own checkout (nothing to copy)
 
-    def _play(self, action: str, hosts: list[str], main: str, **extra: Any) -> Any:
+    def _play(
+        self, action: str, hosts: list[str], main: str, cancelled: Callable[[], bool] | None = None, **extra: Any
+    ) -> Any:
+        """Run the checkpoint playbook; ``cancelled`` (asked every 0.2 s) ends it early: a copy from or to a host
+        that left the run would otherwise wait for SSH's keepalive timeout (minutes) where its link was cut."""
         extravars = {"ugro_job_id": self.run_dir.name, "ugro_checkpoint_action": action, "ugro_rendezvous_host": main}
-        return run_playbook("checkpoint.yml", self.inventory, extravars | extra, self.private_dir, limit=hosts)
+        enough = (lambda _run: cancelled()) if cancelled is not None else None
+        return run_playbook(
+            "checkpoint.yml", self.inventory, extravars | extra, self.private_dir, limit=hosts, enough=enough
+        )
 
     def local_newest(self) -> dict[str, Any] | None:
         return ugro_checkpoints.newest_intact(self.run_dir)
 
-    def fetch(self, host: str, name: str) -> str | None:
+    def fetch(self, host: str, name: str, cancelled: Callable[[], bool] | None = None) -> str | None:
         """Copy checkpoint ``name`` (and the run's records) from ``host`` to the controller; None when the copy
-        is intact, else why not."""
+        is intact, else why not (also when ``cancelled`` said to stop)."""
         if not self.remote:
             return None
         root = self.run_dir / "checkpoints"
@@ -52,7 +60,11 @@ class Replicator:
         tag = f"{name}-{threading.get_ident()}"  # the background copy and a recovery's may overlap
         archive, unpacked = root / f".incoming-{tag}.tar", root / f".incoming-{tag}"
         try:
-            run = self._play("fetch", [host], host, ugro_checkpoint_name=name, ugro_checkpoint_dest=str(archive))
+            run = self._play(
+                "fetch", [host], host, cancelled, ugro_checkpoint_name=name, ugro_checkpoint_dest=str(archive)
+            )
+            if run.runner is not None and run.runner.status == "canceled":
+                return f"{host}: the copy was given up ({host} left the run)"
             if not run.ok:
                 return f"{host}: {run.failures.get(host, 'the fetch failed')}"
             shutil.rmtree(unpacked, ignore_errors=True)
@@ -73,9 +85,12 @@ class Replicator:
             shutil.rmtree(old, ignore_errors=True)
         return None
 
-    def push(self, hosts: list[str], main: str, records: bool) -> dict[str, str]:
+    def push(
+        self, hosts: list[str], main: str, records: bool, cancelled: Callable[[], bool] | None = None
+    ) -> dict[str, str]:
         """Copy the controller's newest intact checkpoint to ``hosts`` (with ``records``, also the run's metrics
-        and record, which the host continuing the run appends to); host -> why it failed."""
+        and record, which the host continuing the run appends to); host -> why it failed (``cancelled``: as in
+        ``fetch``)."""
         newest = self.local_newest()
         if not self.remote or newest is None or not hosts:
             return {}
@@ -87,7 +102,12 @@ class Replicator:
                     if (self.run_dir / record).is_file():
                         tar.add(self.run_dir / record, arcname=record)
             run = self._play(
-                "push", hosts, main, ugro_checkpoint_archive=str(archive), ugro_checkpoint_step=newest["step"]
+                "push",
+                hosts,
+                main,
+                cancelled,
+                ugro_checkpoint_archive=str(archive),
+                ugro_checkpoint_step=newest["step"],
             )
         finally:
             archive.unlink(missing_ok=True)

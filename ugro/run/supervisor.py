@@ -69,15 +69,24 @@ class Supervisor:
         self.restarts: list[Restart] = []
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ugro-checkpoint-copy")
         self._copying: Future[None] | None = None
+        self._copy_hosts: set[str] = set()  # the hosts the copy under way talks to now
+        self._members: set[str] = set()  # the run's hosts as the supervisor last knew them
         self.first_launch: PlaybookRun | None = None  # its events time the launch's phases (ugro/run/phases.py)
         # The first launch's main rank's own phases (run.json ``phases``), as a poll saw them: the main host may be
         # lost before the end, when the run's records are collected from another.
         self.ranks_phases: dict[str, Any] | None = None
 
-    def _copies_settled(self) -> None:
-        """Wait for a checkpoint copy under way (a fault must not race it)."""
+    def _copies_settled(self, hosts: list[str]) -> None:
+        """Wait for a checkpoint copy under way (a fault must not race it); ``hosts``: the run's hosts now. A copy
+        with a host that is not among them is given up instead: where its link was cut, it would wait minutes for
+        SSH's keepalives."""
+        self._members = set(hosts)
         if self._copying is not None:
             self._copying.result()
+
+    def _copy_given_up(self) -> bool:
+        """The copy under way talks to a host that left the run (the copy's playbook asks every 0.2 s)."""
+        return not self._copy_hosts <= self._members
 
     # -- one launch ---------------------------------------------------------------------------------------
 
@@ -104,16 +113,18 @@ class Supervisor:
         if not name or (ours is not None and ours["name"] >= name):
             return
         if self._copying is None or self._copying.done():
+            self._members, self._copy_hosts = set(hosts), {main}
             self._copying = self._copier.submit(self._copy, main, name, hosts)
 
     def _copy(self, main: str, name: str, hosts: list[str]) -> None:
         """Fetch checkpoint ``name`` from the main host to the controller, then push it to the replicas."""
-        why = self.copies.fetch(main, name)
+        why = self.copies.fetch(main, name, self._copy_given_up)
         if why is not None:
             self.console.print(f"[yellow]checkpoint {name} not copied to the controller yet:[/] {why}", highlight=False)
             return
         replica_hosts = recovery.replicas_for(hosts, main, self.job.checkpoint.replicas)
-        for host, problem in self.copies.push(replica_hosts, main, records=False).items():
+        self._copy_hosts = set(replica_hosts)
+        for host, problem in self.copies.push(replica_hosts, main, False, self._copy_given_up).items():
             self.console.print(f"[yellow]replica of {name} on {host} failed:[/] {problem}", highlight=False)
 
     def _follow(
@@ -216,7 +227,7 @@ class Supervisor:
                 last_checkpoint = _step_of(statuses.get(main, {}).get("last_checkpoint"))
                 self._settle_restart(attempt, generation, statuses, main)
                 if verdict in ("finished", "stopped"):
-                    self._copies_settled()
+                    self._copies_settled(hosts)
                     if generation:  # the survivors' torchrun agents wait for the lost host's at their exit barrier
                         self._stop([h for h in hosts if statuses.get(h, {}).get("pids")], main)
                     return Outcome(verdict, statuses, hosts, main, restarts=self.restarts)
@@ -247,10 +258,10 @@ class Supervisor:
                         highlight=False,
                     )
                     hosts, main, relaunch = survivors, kept, False
+                    self._members = set(hosts)  # a copy under way with a lost host is given up
                     continue
                 self.console.print(f"[yellow]regroup not possible, relaunching:[/] {unanswered}", highlight=False)
-            if main not in gone:  # a copy from a host that is gone would only wait for its SSH timeout
-                self._copies_settled()
+            self._copies_settled([h for h in hosts if h not in gone])
             # Whatever is left of the job stops now (torchrun's survivors would wait for the lost peer): on the
             # hosts of this launch where it still runs, and on those an earlier fault left out (a host that comes
             # back may still run the job's old processes).
