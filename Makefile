@@ -183,7 +183,7 @@ bench-launch: venv
 # The CPU one host spends to start a rank and run one step: torchrun starting `-m train.worker` anew, against a
 # launcher that imported the stack once and forks its rank (bench/rank_start.py). The last line is a JSON object.
 bench-rank-start: venv
-	$(PY) -m bench.rank_start run $(BENCH_ARGS)
+	$(PY) -m bench.rank_start $(BENCH_ARGS)
 
 # The default job with model.quantization 4bit against the same job unquantized (same seed): held-out and
 # training loss side by side. BENCH_ARGS="--variants none-float32,4bit-float32,4bit-bfloat16 --steps 24".

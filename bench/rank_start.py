@@ -1,13 +1,13 @@
-"""`make bench-rank-start`: the CPU one host spends to start a rank, torchrun's way against ranks forked from a
-launcher that imported the stack once.
+"""`make bench-rank-start`: the CPU one host spends to start a rank, torchrun's way against train/launcher.py's
+(ranks forked from a launcher that imported the stack once, as on every host without a GPU).
 
-On the 3-host test cluster the launch's seconds are mostly CPU: three torchrun agents and three ranks share two
-cores, and each imports torch, the rank transformers and peft as well (docs/results.md, "Recovery"). torchrun
-starts a module entrypoint (``-m train.worker``) as a new interpreter, so a rank imports torch again after its agent
-did. torch's elastic launcher can instead fork a function entrypoint from a process that has already imported
-everything. This benchmark times both, on this machine, each a one-host run of the tiny job for one step with no
-evaluation (one rank, gloo on the CPU): wall seconds and the CPU seconds of the whole process tree. The last line
-printed is one JSON object. It measures a design option; ugro launches with torchrun.
+On the 3-host test cluster the launch's seconds are mostly CPU: three agents and three ranks share two cores, and
+each imports torch, the rank transformers and peft as well (docs/results.md, "Recovery"). torchrun starts a module
+entrypoint (``-m train.worker``) as a new interpreter, so a rank imports torch again after its agent did;
+``python -m train.launcher`` takes torchrun's arguments and forks the ranks instead. This benchmark times both on
+this machine, each a one-host run (static rendezvous, as the launch script starts it) of the tiny job for one step
+with no evaluation (one rank, gloo on the CPU): wall seconds and the CPU seconds of the whole process tree. The last
+line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -49,18 +49,17 @@ def _timed(argv: list[str]) -> tuple[float, float]:
 @app.command()
 def run(repeat: Annotated[int, typer.Option(min=1, help="runs of each way")] = 3) -> None:
     """Time both ways, alternating, and print the figures."""
-    figures: dict[str, list[tuple[float, float]]] = {"torchrun": [], "forked": []}
+    figures: dict[str, list[tuple[float, float]]] = {"torchrun": [], "train.launcher": []}
     with (tempfile.TemporaryDirectory(prefix="ugro-bench-rank-start-") as tmp,
           tiny_job("bench-rank-start", train={"max_steps": 1}, schedule={"warmup_steps": 0}) as job):  # fmt: skip
         for index in range(repeat):
             for way in figures:
                 run_dir = Path(tmp) / f"{way}-{index}"
-                worker = ["--job", str(job), "--run-dir", str(run_dir), "--code-dir", str(REPO)]
-                if way == "torchrun":
-                    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone",
-                            "-m", "train.worker", *worker]  # fmt: skip
-                else:
-                    argv = [sys.executable, "-m", "bench.rank_start", "forked", *worker]
+                launcher = "torch.distributed.run" if way == "torchrun" else way
+                argv = [sys.executable, "-m", launcher, "--nnodes=1", "--node-rank=0", "--nproc-per-node=1",
+                        "--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=rank-start",
+                        "--max-restarts=0", "--module", "train.worker", "--job", str(job), "--run-dir", str(run_dir),
+                        "--code-dir", str(REPO)]  # fmt: skip
                 figures[way].append(_timed(argv))
     table = Table(title=f"a one-step tiny job on one host, {repeat} runs each (load {os.getloadavg()[0]:.2f})")
     for column in ("way", "wall s", "CPU s (all processes)"):
@@ -69,31 +68,9 @@ def run(repeat: Annotated[int, typer.Option(min=1, help="runs of each way")] = 3
         table.add_row(way, " / ".join(f"{w:.2f}" for w, _ in rows), " / ".join(f"{c:.2f}" for _, c in rows))
     console.print(table)
     best = {way: min(c for _, c in rows) for way, rows in figures.items()}
-    print(json.dumps({"torchrun_cpu_s": round(best["torchrun"], 2), "forked_cpu_s": round(best["forked"], 2),
-                      "saved_cpu_s_per_host": round(best["torchrun"] - best["forked"], 2),
+    print(json.dumps({"torchrun_cpu_s": round(best["torchrun"], 2), "launcher_cpu_s": round(best["train.launcher"], 2),
+                      "saved_cpu_s_per_host": round(best["torchrun"] - best["train.launcher"], 2),
                       "load": round(os.getloadavg()[0], 2)}), flush=True)  # fmt: skip
-
-
-def _rank(argv: list[str]) -> int:
-    from train import worker
-
-    return worker.main(argv)
-
-
-@app.command(hidden=True, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def forked(context: typer.Context) -> None:
-    """The launcher of the forked way: import what a rank imports, then fork the rank from this process."""
-    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # as a rank without 4-bit keeps it out
-    import peft  # noqa: F401
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-
-    import train.loop  # noqa: F401
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="rank-start", rdzv_backend="c10d",
-                          rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"is_host": True}, max_restarts=0,
-                          start_method="fork")  # fmt: skip
-    elastic_launch(config, _rank)(list(context.args))
 
 
 if __name__ == "__main__":

@@ -1103,6 +1103,31 @@ def host_processes(directory: str | Path, host: str, marker: str) -> list[int]:
     return found
 
 
+def host_ranks(directory: str | Path, host: str) -> list[int]:
+    """The pids (as this machine sees them) of the ranks inside ``host``: processes named ``ugro-rank<N>`` (a rank
+    names itself so, whether torchrun started it or train/launcher.py forked it with the launcher's command line)."""
+    state = _read_state(Path(directory).resolve())
+    if state is None:
+        raise TestbedError(f"no testbed in {directory}")
+    inits = [p for p in state["processes"] if p.get("role") == "init" and p.get("host") == host]
+    found = []
+    for pid in (m for init in inits for m in _namespace_members(init)):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("ugro-rank"):
+            found.append(pid)
+    return found
+
+
+def kill_ranks(directory: str | Path, host: str) -> list[int]:
+    """SIGKILL every rank inside ``host`` (a crashed rank, the launcher on that host left running)."""
+    pids = host_ranks(directory, host)
+    _signal(pids, signal.SIGKILL)
+    return pids
+
+
 def one_rank_per_host(bed: Testbed, path: Path) -> Path:
     """A copy of the testbed's inventory at ``path`` where every host starts one CPU rank with one thread: the
     test hosts share this machine's cores, and three ranks are what the multi-host tests and benchmarks run."""

@@ -30,7 +30,6 @@ pytestmark = pytest.mark.usefixtures("ugro_train")
 
 HOSTS = ("tb1", "tb2", "tb3")
 EVERY = 5  # the cluster job's checkpoint interval
-WORKER = " -m train.worker "  # a rank's command line (torchrun's own has "--module train.worker")
 
 
 def _host_step(testbed: Any, job_id: str) -> int:
@@ -102,12 +101,12 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
     follower = _follow(faults_job, cluster)
     try:
         job_id = _wait_for_step(testbed, "cluster-faults", 7, follower)
-        assert tb.kill_processes(testbed.dir, "tb3", WORKER), "no worker process on tb3"
+        assert tb.kill_ranks(testbed.dir, "tb3"), "no rank on tb3"
         _wait_for_step(testbed, "cluster-faults", 14, follower)
-        before = {h: tb.host_processes(testbed.dir, h, WORKER) for h in ("tb1", "tb3")}
+        before = {h: tb.host_ranks(testbed.dir, h) for h in ("tb1", "tb3")}
         assert tb.kill_processes(testbed.dir, "tb2", f"/opt/ugro/runs/{job_id}"), "no job process on tb2"
         _wait_for_step(testbed, "cluster-faults", 21, follower)
-        survivors = {h: tb.host_processes(testbed.dir, h, WORKER) for h in ("tb1", "tb3")}
+        survivors = {h: tb.host_ranks(testbed.dir, h) for h in ("tb1", "tb3")}
         records = {h: _rank_record(testbed, job_id, h) for h in ("tb1", "tb3")}
         if not all(r.get("regrouped") for r in records.values()):  # say what the controller did instead
             follower.kill()
@@ -118,7 +117,7 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
         while _generation(testbed, job_id, "tb3") < 2:
             assert time.monotonic() < deadline and follower.poll() is None, "tb3 did not regroup without tb1"
             time.sleep(0.5)
-        alone = tb.host_processes(testbed.dir, "tb3", WORKER)
+        alone = tb.host_ranks(testbed.dir, "tb3")
         out, _ = follower.communicate(timeout=600)
     finally:
         tb.set_link(testbed.dir, "tb1", up=True)
@@ -170,7 +169,7 @@ def test_with_no_restarts_left_the_run_fails_with_its_cause_and_nothing_runs(
     follower = _follow(doomed_job, cluster)
     try:
         job_id = _wait_for_step(testbed, "cluster-doomed", 3, follower)
-        assert tb.kill_processes(testbed.dir, "tb2", WORKER)
+        assert tb.kill_ranks(testbed.dir, "tb2")
         out, _ = follower.communicate(timeout=300)
     finally:
         if follower.poll() is None:

@@ -52,6 +52,14 @@ def without_bitsandbytes(cfg: ModelConfig, backend: str) -> None:
         sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
 
 
+def preload_cpu(cfg: ModelConfig) -> None:
+    """Import what a CPU rank's ``load_model`` imports (transformers' auto classes and peft, without bitsandbytes
+    where the rank keeps it out), for a launcher that forks CPU ranks once it has (train/launcher.py)."""
+    without_bitsandbytes(cfg, resolve_backend(cfg, cuda=False))
+    import peft  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
 def load_tokenizer(cfg: ModelConfig, base_dir: Path) -> Any:
     from transformers import AutoTokenizer
 

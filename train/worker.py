@@ -9,13 +9,14 @@ rank also writes it into run.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import warnings
 from pathlib import Path
 
-from train import distributed, failure, loop
+from train import distributed, failure, loop, model
 from train.config import ConfigError, DistributedConfig, JobConfig, apply_profile, load_job, load_profile
 from train.metrics import write_status
 
@@ -74,6 +75,22 @@ def _load(args: argparse.Namespace, host: str) -> tuple[JobConfig | None, str | 
     return job, None
 
 
+def preload(argv: list[str]) -> None:
+    """Import now what ``main(argv)`` imports before its first step, on a host without a GPU: train/launcher.py
+    calls this before it forks the ranks. A job it cannot read is left to the ranks to report."""
+    try:
+        job = load_job(parse_args(argv).job)
+        model.preload_cpu(job.model)
+    except (ConfigError, OSError, SystemExit):
+        return
+
+
+def _name_process(rank: int) -> None:
+    """``ugro-rank<N>`` in ps and top (the command line is torchrun's, or the launcher's where it forked the rank)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(f"ugro-rank{rank}"[:15])
+
+
 EXIT_CODES = {"config": 2, "non_finite": 3, "stopped": 143}
 
 
@@ -83,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     run_dir = args.run_dir.resolve()
     host = os.environ.get("UGRO_HOST") or os.uname().nodename
+    _name_process(rank)
     _setup_logging(run_dir, host, rank)
     _record_pid(run_dir, host, rank)
     # A relaunch after a failure (the controller's, or torchrun's own restart) always continues.

@@ -1,0 +1,68 @@
+"""What the launch script runs on every host (roles/train_launch): torchrun, with torchrun's own arguments, agent and
+static rendezvous. On a host without a GPU it forks the ranks from a process that has already imported what a rank
+imports, instead of starting each rank as a new interpreter that imports it all again.
+
+torchrun starts a ``--module`` entrypoint as a new interpreter: the rank imports torch again after the agent did,
+then transformers and peft. On the test cluster (three hosts on two cores) those imports are most of the launch
+(docs/results.md, "Recovery"). torch's elastic launcher can also fork a function entrypoint; forked from here, a rank
+starts with torch, transformers, peft and the training loop in memory. The module's own ``preload(argv)`` says what to
+import, and its ``main(argv)`` runs the rank. On a GPU host, where CUDA does not support a process forked after its
+libraries started, and where each host has cores of its own, this is torchrun exactly.
+
+    python -m train.launcher <torchrun's arguments> --module train.worker <the worker's arguments>
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.launcher.api import elastic_launch
+
+
+def has_gpu() -> bool:
+    """NVIDIA's driver lists a GPU on this host (read from /proc: nothing here may start CUDA before a fork)."""
+    try:
+        return any(Path("/proc/driver/nvidia/gpus").iterdir())
+    except OSError:
+        return False
+
+
+def _forkable(args: Any) -> Any:
+    """The entrypoint module, where the ranks can be forked from this process; None where torchrun starts them."""
+    if has_gpu() or args.standalone or args.no_python or args.run_path or not args.module:
+        return None
+    module = importlib.import_module(args.training_script)
+    return module if callable(getattr(module, "main", None)) else None
+
+
+def _rank(module_name: str, *argv: str) -> None:
+    """A forked rank: the module's ``main(argv)``, its return value the process's exit status (torchrun's agent
+    reads it as it reads a module entrypoint's)."""
+    sys.exit(importlib.import_module(module_name).main(list(argv)))
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    module = _forkable(args)
+    if module is None:
+        torchrun.run(args)
+        return
+    if args.master_port is None:  # as torchrun's own run() sets it
+        args.master_port = 29500
+    worker_args = list(args.training_script_args)
+    preload = getattr(module, "preload", None)
+    if callable(preload):
+        preload(worker_args)
+    config, _, _ = torchrun.config_from_args(args)
+    config.start_method = "fork"
+    elastic_launch(config, _rank)(args.training_script, *worker_args)
+
+
+if __name__ == "__main__":
+    main()
