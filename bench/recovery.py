@@ -6,8 +6,9 @@ tb2 is SIGKILLed between two checkpoints (a host that died: the survivors regrou
 -> next step on the survivors; then tb1's link is cut inside its namespace (the rendezvous and main host, with
 the run's records, gone silent) -> next step on the hosts left (tb3 takes the records up and goes on). Step
 times come from the ranks' own metrics.jsonl (wall clock of this machine, which all test hosts share); where
-the time went comes from the run's restart record. The last line is one JSON object with the figures and the
-machine's mean 1-minute load average over the run.
+the time went comes from the run's restart record. The last line is one JSON object with the figures, the CPU
+seconds the whole machine spent from the launch to the first step (``launch_cpu_s``: controller, Ansible, the three
+hosts' ranks; divided by the cores it is the launch's floor here) and the machine's mean 1-minute load average.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -62,6 +65,31 @@ def _first_step_after(bed: Any, job_id: str, moment: float) -> float:
     return min(r["time"] for r in _rows(bed, job_id) if r["time"] > moment) - moment
 
 
+class CpuClock:
+    """The machine's busy CPU seconds (every process, all cores), sampled every 0.1 s in a thread."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            times = psutil.cpu_times()
+            self.samples.append((time.time(), sum(times) - times.idle - getattr(times, "iowait", 0.0)))
+            time.sleep(0.1)
+
+    def busy(self, start: float, end: float) -> float:
+        """Busy CPU seconds between two moments (the samples nearest them)."""
+        at = [min(self.samples, key=lambda s: abs(s[0] - moment))[1] for moment in (start, end)]
+        return at[1] - at[0]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def main() -> int:
     tb = testbed_cluster
     directory = Path(tempfile.mkdtemp(prefix="ugro-bench-recovery-"))
@@ -76,6 +104,7 @@ def main() -> int:
         argv = [sys.executable, "-m", "ugro.cli", "train", "--job", str(job_file), "--inventory", str(cluster),
                 "--poll", "2", "--skip-preflight"]  # fmt: skip
         loads = [os.getloadavg()[0]]
+        clock = CpuClock()
         started = time.time()
         proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         job_id = _wait_step(bed, 12, proc)  # between the checkpoints of steps 10 and 15
@@ -92,8 +121,10 @@ def main() -> int:
         loads.append(os.getloadavg()[0])
         if proc.returncode != 0:
             raise SystemExit(f"the job failed:\n{out[-4000:]}")
+        clock.stop()
         record = json.loads((REPO / "runs" / job_id / "run.json").read_text())
         first = min(r["time"] for r in _rows(bed, job_id)) - started
+        launch_cpu = clock.busy(started, started + first)
         figures = [("launch -> first optimizer step (normal start)", first, "goal <= 15 s", None)]
         for (what, moment, goal), restart in zip(
             [("SIGKILL of tb2's job -> next step on tb1 + tb3", killed, "goal <= 10 s, 0 redone"),
@@ -117,9 +148,12 @@ def main() -> int:
         console.print(table)
         console.print(f"final hosts {record['hosts']}, rendezvous {record['rendezvous']}; run {REPO / 'runs' / job_id}")
         console.print(f"the first launch's phases (s): {json.dumps(record.get('launch_phases'))}", highlight=False)
+        console.print(f"CPU the machine spent from the launch to the first step (every process): {launch_cpu:.1f} s "
+                      f"on {psutil.cpu_count()} cores", highlight=False)  # fmt: skip
         kill, cut_restart = figures[1], figures[2]
         result = {
             "launch_to_first_step_s": round(first, 1),
+            "launch_cpu_s": round(launch_cpu, 1),
             "kill_to_next_step_s": round(kill[1], 1),
             "kill_steps_redone": kill[3]["steps_redone"] if kill[3] else None,
             "rendezvous_cut_to_next_step_s": round(cut_restart[1], 1),
