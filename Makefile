@@ -27,7 +27,7 @@ help:
 	@echo "make bench-pipeline-cluster  the default model in 3 stages across the test cluster vs data parallel (root)"
 	@echo "make bench-ddp-init  bytes and time DDP broadcasts at start-up, plain vs ugro, on the test cluster (root)"
 	@echo "make bench-exporter  the node exporter's CPU cost at one scrape every 5 s"
-	@echo "make bench-rank-start  one host's CPU to start a rank: torchrun's way vs ranks forked from a warm launcher"
+	@echo "make bench-rank-start  one host's CPU to start a rank: torchrun's way vs train.launcher's (ranks forked where there is no GPU)"
 	@echo "make bench-4bit      the default job in 4-bit QLoRA against the same job unquantized: held-out loss by step"
 	@echo "make testbed-up N=3 / make testbed-down   a test cluster of N hosts on this machine (root)"
 	@echo "make export [JOB_ID=...] [FORMAT=gguf]   the run's model merged into its base (runs/<job-id>/merged), or as GGUF + Ollama Modelfile (runs/<job-id>/gguf)"

@@ -172,6 +172,18 @@ def test_a_host_that_stops_answering_is_asked_again_at_once_but_only_once() -> N
     assert waits == [2.0, 0.0, 2.0, 2.0, 0.0, 0.0]
 
 
+def test_while_the_ranks_start_a_remote_cluster_is_polled_less_often() -> None:
+    """Until the first step a poll has nothing to show and takes the starting ranks' CPU; a step, a failed start or
+    a silent host brings the usual pace back."""
+    starting = {"a": _status("running"), "b": _status("running")}
+    stepping = starting | {"a": _status("running") | {"step": 1}}
+    pacer = follow.Pacer(2.0, start_s=follow.START_POLL_S)
+    waits = [pacer.pause(statuses) for statuses in (starting, starting | {"b": _status("failed")}, stepping,
+                                                     starting | {"b": {"state": "unreachable"}})]  # fmt: skip
+    assert waits == [follow.START_POLL_S, 2.0, 2.0, 0.0]
+    assert follow.Pacer(10.0, start_s=follow.START_POLL_S).pause(starting) == 10.0
+
+
 def _alive(parts: dict[str, str] | None = None) -> dict:
     return _status("running") | {"pids": {"launcher": 10, "worker-rank0": 11}, "parts": parts or {}}
 

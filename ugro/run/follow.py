@@ -65,21 +65,33 @@ def ended(statuses: Statuses) -> bool:
     return bool(statuses) and all(s.get("state") in ENDED for s in statuses.values())
 
 
+# While the ranks start (every host running, none with a step yet) a poll has nothing to show, and on the 3-host
+# test cluster each one costs the machine ~3 CPU-s that the starting ranks' imports wait for (docs/results.md,
+# "Recovery"): a remote cluster is polled at most this often until the first step, and a failed start is seen
+# within it.
+START_POLL_S = 5.0
+
+
 class Pacer:
-    """How long to wait before the next poll: ``poll_s``, except right after a host stopped answering.
+    """How long to wait before the next poll: ``poll_s``, except right after a host stopped answering, and at least
+    ``start_s`` while the ranks start.
 
     A host silent on one poll counts as gone only on the next (or when its peers vouch it silent), and a poll that
     was under way when its link went down has already waited out the status timeout for it: ask again at once,
     once per host that turned silent, so that a cut link is not also held for ``poll_s``."""
 
-    def __init__(self, poll_s: float) -> None:
+    def __init__(self, poll_s: float, start_s: float = 0.0) -> None:
         self.poll_s = poll_s
+        self.start_s = start_s
         self.silent: set[str] = set()
 
     def pause(self, statuses: Statuses) -> float:
         silent = {host for host, status in statuses.items() if status.get("state") == "unreachable"}
         newly, self.silent = silent - self.silent, silent
-        return 0.0 if newly else self.poll_s
+        if newly:
+            return 0.0
+        starting = all(s.get("state") == "running" and "step" not in s for s in statuses.values())
+        return max(self.poll_s, self.start_s) if statuses and starting else self.poll_s
 
 
 def _progress_row(statuses: Statuses) -> dict[str, Any] | None:
@@ -93,11 +105,14 @@ def _eta(seconds: float | None) -> str:
     return f"{minutes}:{secs:02d}"
 
 
-def follow(source: StatusSource, console: Console, poll_s: float, until: Until = ended) -> Statuses:
-    """Poll until ``until`` says so (by default: every host's job has ended); Ctrl-C propagates to the caller
-    (the job keeps running)."""
+def follow(
+    source: StatusSource, console: Console, poll_s: float, until: Until = ended, start_poll_s: float = 0.0
+) -> Statuses:
+    """Poll until ``until`` says so (by default: every host's job has ended), every ``poll_s`` (``start_poll_s``
+    at least while the ranks start: ``Pacer``); Ctrl-C propagates to the caller (the job keeps running)."""
+    pacer = Pacer(poll_s, start_poll_s)
     if not console.is_terminal:
-        return _follow_plain(source, console, poll_s, until)
+        return _follow_plain(source, console, pacer, until)
     columns = (
         TextColumn("[bold]training"),
         BarColumn(),
@@ -107,7 +122,6 @@ def follow(source: StatusSource, console: Console, poll_s: float, until: Until =
         TextColumn("ETA {task.fields[eta]}"),
         TimeElapsedColumn(),
     )
-    pacer = Pacer(poll_s)
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=None, loss="-", tps="-", eta="--:--")
         while True:
@@ -121,9 +135,8 @@ def follow(source: StatusSource, console: Console, poll_s: float, until: Until =
             time.sleep(pacer.pause(statuses))
 
 
-def _follow_plain(source: StatusSource, console: Console, poll_s: float, until: Until) -> Statuses:
+def _follow_plain(source: StatusSource, console: Console, pacer: Pacer, until: Until) -> Statuses:
     last_step, next_report = -1, 0.0
-    pacer = Pacer(poll_s)
     while True:
         statuses = source()
         row = _progress_row(statuses)

@@ -25,7 +25,7 @@ from train.config import JobConfig
 from ugro.hosts.inventory import Cluster
 from ugro.hosts.playbook import PlaybookRun, run_playbook
 from ugro.run import recovery, replicas
-from ugro.run.follow import ENDED, Statuses, follow, local_source, remote_source
+from ugro.run.follow import ENDED, START_POLL_S, Statuses, follow, local_source, remote_source
 from ugro.run.records import Cause, Restart, RunRecord
 
 
@@ -147,7 +147,8 @@ class Supervisor:
             seen["verdict"] = watch.verdict(statuses)
             return seen["verdict"] != "running"
 
-        statuses = follow(source, self.console, self.poll_s, until)
+        start_poll_s = START_POLL_S if self.cluster.remote else 0.0  # a local poll reads files: it costs nothing
+        statuses = follow(source, self.console, self.poll_s, until, start_poll_s)
         return str(seen["verdict"]), statuses, watch, int(seen["step"])
 
     def _settle_when_seen(self, statuses: Statuses, main: str, attempt: int, generation: int) -> bool:
