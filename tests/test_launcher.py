@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import PYTHON, REPO, run_env, write_job
 
 from testbed.net import free_port
-from tests.helpers import PYTHON, REPO, run_env, write_job
 from train import launcher
 
 pytestmark = pytest.mark.usefixtures("torchrun")
@@ -24,8 +24,9 @@ def _launch(job: Path, run_dir: Path, nproc: int = 2) -> subprocess.Popen[str]:
             "--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=launcher-test",
             "--max-restarts=0", "--module", "train.worker", "--job", str(job), "--run-dir", str(run_dir),
             "--code-dir", str(REPO)]  # fmt: skip
-    return subprocess.Popen(argv, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
+    env = {k: v for k, v in run_env().items() if k != "OMP_NUM_THREADS"}  # as the launch script leaves it by default
+    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
 
 
 def _parent_and_name(pid: int) -> tuple[int, str]:
@@ -52,6 +53,10 @@ def test_ranks_are_forked_from_the_launcher_and_a_stop_ends_them_as_under_torchr
         assert {Path(f"/proc/{pid}/cmdline").read_bytes() for pid in ranks} == {
             Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         }
+        # Two ranks on one host get one thread each from torchrun, although the launcher imported torch before.
+        for rank in (0, 1):
+            log = (run_dir / "logs" / f"{os.uname().nodename}-rank{rank}.log").read_text()
+            assert "cpu_threads=1 " in log, log
         os.killpg(proc.pid, signal.SIGTERM)  # what make stop sends the launch's process group
         out, _ = proc.communicate(timeout=60)
     finally:

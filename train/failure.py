@@ -55,6 +55,11 @@ class Failure:
 
 
 def _raise_stopped(signum: int, _frame: FrameType | None) -> None:
+    # Only the first: a stop reaches a rank more than once (make stop signals the rank and its launch's process group,
+    # and torchrun's agent passes its own SIGTERM on), and a second Stopped would cut short the rank's record of why
+    # it ended. SIGKILL stays the hard stop.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise Stopped(f"{signal.Signals(signum).name} received")
 
 

@@ -15,10 +15,12 @@ libraries started, and where each host has cores of its own, this is torchrun ex
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import elastic_launch
@@ -42,7 +44,14 @@ def _forkable(args: Any) -> Any:
 
 def _rank(module_name: str, *argv: str) -> None:
     """A forked rank: the module's ``main(argv)``, its return value the process's exit status (torchrun's agent
-    reads it as it reads a module entrypoint's)."""
+    reads it as it reads a module entrypoint's).
+
+    OpenMP read OMP_NUM_THREADS when this process imported torch, before torchrun's configuration set it (to 1
+    where a host runs several ranks and the launch script sets none): a new interpreter would read it at its
+    start, so the forked rank applies it now."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
     sys.exit(importlib.import_module(module_name).main(list(argv)))
 
 

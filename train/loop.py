@@ -90,9 +90,10 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     how = trainer.start(restored.extra.get("plan") if restored else None)
     balancer = trainer.balancer
     log.info(
-        "backend=%s device=%s blocks=%d seq_len=%d trainable=%d micro_batch_cap=%d %s",
+        "backend=%s device=%s cpu_threads=%d blocks=%d seq_len=%d trainable=%d micro_batch_cap=%d %s",
         backend,
         info.device,
+        torch.get_num_threads(),
         len(blocks),
         job.data.seq_len,
         sum(p.numel() for p in trainable),

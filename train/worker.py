@@ -42,7 +42,7 @@ def _setup_logging(run_dir: Path, host: str, rank: int) -> None:
 
 
 def _record_pid(run_dir: Path, host: str, rank: int) -> None:
-    """So that `make stop` can end exactly this process (torchrun gives each worker its own session)."""
+    """So that `make stop` can end exactly this process (torchrun gives each new interpreter a session of its own)."""
     host_dir = run_dir / "hosts" / host
     host_dir.mkdir(parents=True, exist_ok=True)
     (host_dir / f"worker-rank{rank}.pid").write_text(f"{os.getpid()}\n")

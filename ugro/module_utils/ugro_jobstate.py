@@ -6,7 +6,8 @@ Shared by the host modules ``library/ugro_host_facts.py`` (the job's state) and 
 Standard library and psutil only (Debian's ``python3-psutil`` on a host).
 
 The launch script records the job's process group (``runs/<job>/hosts/<host>/launch.pid``); every rank
-records its own pid (``worker-rank<N>.pid``: torchrun starts workers in sessions of their own). A
+records its own pid (``worker-rank<N>.pid``: on a GPU host torchrun starts workers in sessions of their own;
+ranks forked by train/launcher.py are in the launch's process group). A
 recorded pid counts as the job's only while its command line still names the run directory, so a pid
 reused by another process after the job ended is never signalled. ``runs/active-job`` holds
 "<job id> <process group>" while a job runs on the host.
