@@ -1086,39 +1086,31 @@ def _close_control_masters(cp_dir: Path) -> None:
 # Faults: what the recovery tests and `make bench-recovery` do to a host mid-job.
 
 
-def host_processes(directory: str | Path, host: str, marker: str) -> list[int]:
-    """The pids (as this machine sees them) of the processes inside ``host`` whose command line has ``marker``."""
+def _members(directory: str | Path, host: str) -> list[int]:
+    """The pids (as this machine sees them) of every process inside ``host``."""
     state = _read_state(Path(directory).resolve())
     if state is None:
         raise TestbedError(f"no testbed in {directory}")
     inits = [p for p in state["processes"] if p.get("role") == "init" and p.get("host") == host]
-    found = []
-    for pid in (m for init in inits for m in _namespace_members(init)):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline:
-            found.append(pid)
-    return found
+    return [pid for init in inits for pid in _namespace_members(init)]
+
+
+def _read_proc(pid: int, name: str) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+
+
+def host_processes(directory: str | Path, host: str, marker: str) -> list[int]:
+    """The pids (as this machine sees them) of the processes inside ``host`` whose command line has ``marker``."""
+    return [pid for pid in _members(directory, host) if marker in (_read_proc(pid, "cmdline") or "")]
 
 
 def host_ranks(directory: str | Path, host: str) -> list[int]:
     """The pids (as this machine sees them) of the ranks inside ``host``: processes named ``ugro-rank<N>`` (a rank
     names itself so, whether torchrun started it or train/launcher.py forked it with the launcher's command line)."""
-    state = _read_state(Path(directory).resolve())
-    if state is None:
-        raise TestbedError(f"no testbed in {directory}")
-    inits = [p for p in state["processes"] if p.get("role") == "init" and p.get("host") == host]
-    found = []
-    for pid in (m for init in inits for m in _namespace_members(init)):
-        try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            continue
-        if name.startswith("ugro-rank"):
-            found.append(pid)
-    return found
+    return [pid for pid in _members(directory, host) if (_read_proc(pid, "comm") or "").startswith("ugro-rank")]
 
 
 def kill_ranks(directory: str | Path, host: str) -> list[int]:
