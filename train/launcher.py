@@ -14,11 +14,12 @@ libraries started, and where each host has cores of its own, this is torchrun ex
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import torch
 from torch.distributed import run as torchrun
@@ -34,7 +35,7 @@ def has_gpu() -> bool:
         return False
 
 
-def _forkable(args: Any) -> Any:
+def _forkable(args: argparse.Namespace) -> ModuleType | None:
     """The entrypoint module, where the ranks can be forked from this process; None where torchrun starts them."""
     if has_gpu() or args.standalone or args.no_python or args.run_path or not args.module:
         return None

@@ -70,7 +70,7 @@ class Supervisor:
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ugro-checkpoint-copy")
         self._copying: Future[None] | None = None
         self._copy_hosts: set[str] = set()  # the hosts the copy under way talks to now
-        self._members: set[str] = set()  # the run's hosts as the supervisor last knew them
+        self._members: set[str] = set()  # the run's hosts as the supervisor last knew them (run() keeps it)
         self.first_launch: PlaybookRun | None = None  # its events time the launch's phases (ugro/run/phases.py)
         # The first launch's main rank's own phases (run.json ``phases``), as a poll saw them: the main host may be
         # lost before the end, when the run's records are collected from another.
@@ -113,7 +113,7 @@ class Supervisor:
         if not name or (ours is not None and ours["name"] >= name):
             return
         if self._copying is None or self._copying.done():
-            self._members, self._copy_hosts = set(hosts), {main}
+            self._copy_hosts = {main}
             self._copying = self._copier.submit(self._copy, main, name, hosts)
 
     def _copy(self, main: str, name: str, hosts: list[str]) -> None:
@@ -208,6 +208,7 @@ class Supervisor:
         if resume:
             self.copies.place(hosts, main)
         while True:
+            self._members = set(hosts)  # after a regroup: a copy under way with a lost host is given up
             began = time.time()
             launch = self._launch(attempt, hosts, main, resume or attempt > 0) if relaunch else None
             self.first_launch = self.first_launch or launch
@@ -259,7 +260,6 @@ class Supervisor:
                         highlight=False,
                     )
                     hosts, main, relaunch = survivors, kept, False
-                    self._members = set(hosts)  # a copy under way with a lost host is given up
                     continue
                 self.console.print(f"[yellow]regroup not possible, relaunching:[/] {unanswered}", highlight=False)
             self._copies_settled([h for h in hosts if h not in gone])
