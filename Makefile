@@ -173,7 +173,7 @@ bench-ddp-init: venv
 
 # Launch -> first step, and a lost host -> first step on the survivors, on the 3-host test cluster (root).
 bench-recovery: venv
-	$(PY) -m bench.recovery
+	$(PY) -m bench.recovery $(BENCH_ARGS)
 
 # make train on the 3-host test cluster, its fast checks included, to the first step: fresh hosts, the same hosts
 # again (the launch reads the checks' facts), and without the checks (needs root).

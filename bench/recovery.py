@@ -4,7 +4,9 @@ Brings up the 3-host test cluster (network namespaces, real SSH, gloo over veth;
 job through the real controller (`ugro train`): launch -> first optimizer step; then every job process on
 tb2 is SIGKILLed between two checkpoints (a host that died: the survivors regroup in their own processes)
 -> next step on the survivors; then tb1's link is cut inside its namespace (the rendezvous and main host, with
-the run's records, gone silent) -> next step on the hosts left (tb3 takes the records up and goes on). Step
+the run's records, gone silent) -> next step on the hosts left (tb3 takes the records up and goes on). The hosts
+run their node exporters, installed by the provisioning playbook as `make provision` does, and the controller reads
+the job's state from them (``--no-exporters``: without them, every poll goes through Ansible). Step
 times come from the ranks' own metrics.jsonl (wall clock of this machine, which all test hosts share); where
 the time went comes from the run's restart record. The last line is one JSON object with the figures, the CPU
 seconds the whole machine spent from the launch to the first step (``launch_cpu_s``: controller, Ansible, the three
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import typer
 from rich.console import Console
 from rich.table import Table
 
@@ -35,6 +38,17 @@ REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.9.0/24"  # its own: `make test` and `make testbed-up` use others
 NAME = "bench-recovery"
 console = Console(width=170)
+app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0] if __doc__ else None)
+
+
+def _exporters(inventory: Path, state: str) -> None:
+    """Role exporter on every host through the provisioning playbook (tag exporter): ``started`` or ``stopped``."""
+    argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), "playbooks/provision.yml",
+            "--tags", "exporter", "-e", f"exporter_state={state}"]  # fmt: skip
+    env = os.environ | {"ANSIBLE_CONFIG": str(REPO / "ansible.cfg")}
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"role exporter ({state}) failed:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
 
 
 def _rows(bed: Any, job_id: str) -> list[dict[str, Any]]:
@@ -90,13 +104,20 @@ class CpuClock:
         self._thread.join()
 
 
-def main() -> int:
+@app.command()
+def main(
+    exporters: bool = typer.Option(True, help="run the node exporters, which the controller's polls read"),
+) -> None:
+    """Bring up the test cluster, run the job with its two faults, print the figures."""
     tb = testbed_cluster
     directory = Path(tempfile.mkdtemp(prefix="ugro-bench-recovery-"))
     jobs = contextlib.ExitStack()
     bed = tb.up(directory, hosts=3, subnet=SUBNET)
     try:
         cluster = tb.one_rank_per_host(bed, directory / "cluster.yml")
+        if exporters:
+            jobs.callback(_exporters, cluster, "stopped")
+            _exporters(cluster, "started")
         train = {"max_steps": 40, "global_batch_size": 6, "log_every": 10}
         job_file = jobs.enter_context(
             tiny_job(NAME, train=train, checkpoint={"every": 5, "keep_last": 3}, distributed={"timeout_s": 20})
@@ -159,14 +180,14 @@ def main() -> int:
             "rendezvous_cut_to_next_step_s": round(cut_restart[1], 1),
             "cut_steps_redone": cut_restart[3]["steps_redone"] if cut_restart[3] else None,
             "load": round(sum(loads) / len(loads), 2),
+            "polls": "exporters" if exporters else "ansible",
         }
         print(json.dumps(result), flush=True)
-        return 0
     finally:
         tb.set_link(bed.dir, "tb1", up=True)
-        tb.down(directory)
         jobs.close()
+        tb.down(directory)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    app()

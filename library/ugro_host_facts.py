@@ -190,7 +190,7 @@ from typing import Any
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.ugro_checkpoints import newest_intact
 from ansible.module_utils.ugro_codetree import current_hash
-from ansible.module_utils.ugro_jobstate import HAS_PSUTIL, psutil_missing, running_job, status
+from ansible.module_utils.ugro_jobstate import HAS_PSUTIL, JOB_ID, psutil_missing, running_job, status
 
 if HAS_PSUTIL:
     import psutil
@@ -206,7 +206,6 @@ NEEDS = {"versions": "python", "code": "code_dir", "job": "code_dir", "disk": "d
 PACKAGES = {"torch": "torch", "transformers": "transformers", "peft": "peft", "unsloth": "unsloth"}
 NCCL_DISTS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
 IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
-JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # Where nvidia-smi lives when the module's PATH is short (the driver packages put it in /usr/bin).
 SMI_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/bin", "/usr/bin", "/bin"])
 # What the job Python reports about itself: its version and where it finds packages.

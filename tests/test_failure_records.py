@@ -173,8 +173,8 @@ def test_a_host_that_stops_answering_is_asked_again_at_once_but_only_once() -> N
 
 
 def test_while_the_ranks_start_a_remote_cluster_is_polled_less_often() -> None:
-    """Until the first step a poll has nothing to show and takes the starting ranks' CPU; a step, a failed start or
-    a silent host brings the usual pace back."""
+    """Until the first step a poll through Ansible has nothing to show and takes the starting ranks' CPU; a step, a
+    failed start or a silent host brings the usual pace back, and polls that read the exporters keep it."""
     starting = {"a": _status("running"), "b": _status("running")}
     stepping = starting | {"a": _status("running") | {"step": 1}}
     pacer = follow.Pacer(2.0, start_s=follow.START_POLL_S)
@@ -182,6 +182,7 @@ def test_while_the_ranks_start_a_remote_cluster_is_polled_less_often() -> None:
                                                      starting | {"b": {"state": "unreachable"}})]  # fmt: skip
     assert waits == [follow.START_POLL_S, 2.0, 2.0, 0.0]
     assert follow.Pacer(10.0, start_s=follow.START_POLL_S).pause(starting) == 10.0
+    assert follow.Pacer(2.0, start_s=follow.START_POLL_S, costly=lambda: False).pause(starting) == 2.0
 
 
 def _alive(parts: dict[str, str] | None = None) -> dict:

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,8 +33,10 @@ from helpers import PYTHON, REPO, Run, cli, free_port, remove_runs, run_env, run
 
 from testbed import planted as planted_run
 from train.metrics import plot_loss, rank_figures
-from ugro.module_utils import ugro_exporter
+from ugro.module_utils import ugro_exporter, ugro_jobstate
 from ugro.monitoring import monitor
+from ugro.monitoring.jobstates import ExporterStates
+from ugro.run.follow import RemoteSource
 
 GRAFANA = REPO / "ugro" / "monitoring" / "grafana-dashboard.json"
 EXPORTER_ON_HOST = "/opt/ugro-exporter/ugro_exporter.py"
@@ -146,6 +149,52 @@ def test_no_gpu_series_where_nvml_does_not_start(planted: Path) -> None:
     text = ugro_exporter.exposition(ugro_exporter.Collector("tb1", planted, gpus))
     assert "ugro_gpu_" not in text and 'nvml="unavailable"' in text
     assert "ugro_host_cpus" in text and _promtool(text) == ""
+
+
+@pytest.fixture()
+def exporter_http(planted: Path) -> Iterator[str]:
+    """The exporter's HTTP side (/metrics and /job/) for node4070 of the planted run, on a free local port."""
+    from prometheus_client import make_wsgi_app
+
+    collector = ugro_exporter.Collector("node4070", planted, ugro_exporter.Gpus(nvml=SimpleNamespace()))
+    app = ugro_exporter.application(make_wsgi_app(ugro_exporter.registry(collector)), planted, "node4070")
+    server = ugro_exporter.http_server("127.0.0.1", free_port(), app)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_exporter_serves_the_job_state_that_the_status_module_reads(planted: Path, exporter_http: str) -> None:
+    """The controller's poll reads /job/<job-id> instead of running a playbook: the same state, checked."""
+    job = planted_run.JOB_ID
+    answer = httpx.get(f"http://{exporter_http}/job/{job}?main=1", timeout=5)
+    assert answer.status_code == 200 and answer.headers["content-type"] == "application/json"
+    expected = ugro_jobstate.status(planted / job, "node4070", main=True)
+    assert answer.json() == json.loads(json.dumps(expected)) | {"jobstate": ugro_jobstate.digest()}
+    assert answer.json()["state"] == "running" and answer.json()["step"] == 7
+    assert "step" not in httpx.get(f"http://{exporter_http}/job/{job}", timeout=5).json()  # not the main host
+    missing = httpx.get(f"http://{exporter_http}/job/other-20260101-000000", timeout=5)
+    assert missing.status_code == 404 and "node4070 has no run other-20260101-000000" in missing.json()["error"]
+    assert httpx.get(f"http://{exporter_http}/job/..%2Fetc", timeout=5).status_code == 400
+    assert "ugro_job_state" in httpx.get(f"http://{exporter_http}/metrics", timeout=5).text
+
+    # The controller's reader: the state where the exporter runs the controller's code for the host asked, and
+    # otherwise why not (that host is then polled through Ansible).
+    host, port = exporter_http.split(":")
+    here = monitor.Target("node4070", host, int(port))
+    states = ExporterStates([here, monitor.Target("node3070", host, free_port())], job, main="node4070")
+    found, missed = states.read(["node4070", "node3070"])
+    assert found["node4070"]["step"] == 7 and "jobstate" not in found["node4070"]
+    assert list(missed) == ["node3070"] and "ConnectError" in missed["node3070"]
+    wrong_host = ExporterStates([monitor.Target("node4080", host, int(port))], job, main="node4080")
+    assert "reports host 'node4070'" in wrong_host.read(["node4080"])[1]["node4080"]
+    other_code = ExporterStates([here], job, main="node4070")
+    other_code.digest = "0" * 16  # an exporter provisioned from another ugro
+    assert "another ugro_jobstate.py" in other_code.read(["node4070"])[1]["node4070"]
 
 
 def _grafana_exprs() -> list[str]:
@@ -383,6 +432,15 @@ def test_exporters_prometheus_and_dashboard_during_a_job(
             assert 0 < (sample.ranks[0].share or 0) < 1 and sample.job_states.get(sample.ranks[0].job) == "running"
         main = [h for h, t in texts.items() if monitor.parse(t).job]
         assert main == ["tb1"], main  # the rendezvous host keeps the run
+
+        # The controller's poll, as `ugro train` follows the job: every state from the exporters, no playbook.
+        job_id = sorted(p.name for p in runs_dir().glob("monitor-test-*"))[-1]
+        notes: list[str] = []
+        poll = RemoteSource(inventory, job_id, tmp_path / "ansible", ["tb1", "tb2", "tb3"], "tb1",
+                            ExporterStates(targets, job_id, "tb1"), notes.append)  # fmt: skip
+        states = poll()
+        assert not poll.ran_playbook and {h: s["state"] for h, s in states.items()} == dict.fromkeys(texts, "running")
+        assert states["tb1"]["step"] >= 3 and states["tb1"]["pids"] and "step" not in states["tb2"]
         exported = set().union(*(monitor.parse(t).names for t in texts.values())) | {"up"}
         missing = {n for n in grafana_series() if not n.startswith("ugro_gpu_")} - exported
         assert missing == set(), f"Grafana names series these exporters did not export: {missing}"
@@ -425,6 +483,12 @@ def test_exporters_prometheus_and_dashboard_during_a_job(
         assert seen["answered_since"]["tb1"] >= 2 and seen["answered_since"]["tb2"] >= 2, seen
         assert seen["steps_moved"] == {"tb1": True, "tb2": True}, seen
         assert seen["exited"]
+        # tb3's exporter is stopped: the poll asks tb3 through Ansible, says so once, and keeps to Ansible for it.
+        states = poll()
+        assert poll.ran_playbook and states["tb3"]["state"] == "running" and states["tb3"]["pids"], states["tb3"]
+        assert len(notes) == 1 and "on tb3 comes through Ansible" in notes[0] and "ConnectError" in notes[0], notes
+        assert poll() and poll.ran_playbook and len(notes) == 1
+        mark("polls: tb3 through Ansible")
         assert follower.poll() is None, "the job ended before the checks did"
     finally:
         if follower.poll() is None:

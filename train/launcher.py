@@ -88,5 +88,6 @@ def main(argv: list[str] | None = None) -> None:
 
     record(_launch)(sys.argv[1:] if argv is None else argv)
 
+
 if __name__ == "__main__":
     main()

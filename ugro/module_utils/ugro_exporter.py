@@ -21,6 +21,11 @@ What it serves at ``/metrics`` (``FAMILIES`` lists every name; base units, ``_to
   global batch, world size, labelled with job, host and rank;
 - the exporter's own process (``process_*``: CPU seconds, memory), so its cost can be watched.
 
+At ``/job/<job-id>`` (``?main=1`` on the host that keeps the run) it serves the job's state on this host as JSON:
+what the status playbook's fact module returns (``ugro_jobstate.status``), with ``jobstate``, the hash of the
+``ugro_jobstate.py`` it runs. The controller reads it there while it follows a run (ugro/monitoring/jobstates.py),
+where the hash is its own, and asks through Ansible where not. 404 where this host has no such run.
+
 Nothing is sampled between scrapes: a scrape reads NVML, psutil and a few small files and returns.
 Standard library, prometheus_client and psutil (pynvml optional), so it runs with the node's venv or
 with Debian's python3-prometheus-client and python3-psutil.
@@ -34,12 +39,16 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from socketserver import ThreadingMixIn
 from typing import Any
+from urllib.parse import parse_qs
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 if __package__:  # imported as ugro.module_utils.ugro_exporter (the controller's dashboard and the tests)
     from ugro.module_utils import ugro_jobstate
@@ -48,9 +57,10 @@ else:  # run as a script on a host: role exporter installs ugro_jobstate.py besi
 
 log = logging.getLogger("ugro_exporter")
 
-VERSION = "1"
+VERSION = "2"  # 2: /job/<job-id>
 DEFAULT_PORT = 9840
 NOT_RUNNING = 3  # exit status of `status` when no exporter serves from the pid file
+JOBSTATE = ugro_jobstate.digest()  # the code of the job states this exporter serves
 
 # Every family the exporter can export: name -> (type, help). The dashboard, the Grafana dashboard's test and
 # the docs read this table; a name not in it is never exported.
@@ -385,6 +395,55 @@ def exposition(collector: Collector) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# The HTTP side: /metrics (prometheus_client's application) and /job/<job-id>.
+
+JOB_PATH = "/job/"
+App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def job_state(runs_dir: Path, host: str, job_id: str, main: bool) -> tuple[str, dict[str, Any]]:
+    """The HTTP status and JSON body of ``/job/<job_id>``: the job's state on this host, or why there is none."""
+    if not ugro_jobstate.JOB_ID.match(job_id):
+        return "400 Bad Request", {"error": f"'{job_id}' is not a job id such as default-20261121-190000"}
+    run_dir = runs_dir / job_id
+    if not (run_dir / "hosts" / host).is_dir():
+        return "404 Not Found", {"error": f"{host} has no run {job_id} in {runs_dir}"}
+    return "200 OK", {**ugro_jobstate.status(run_dir, host, main), "jobstate": JOBSTATE}
+
+
+def application(metrics: App, runs_dir: Path, host: str) -> App:
+    """``metrics`` everywhere but under /job/."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = str(environ.get("PATH_INFO") or "")
+        if not path.startswith(JOB_PATH):
+            return metrics(environ, start_response)
+        main = parse_qs(str(environ.get("QUERY_STRING") or "")).get("main") == ["1"]
+        code, body = job_state(runs_dir, host, path[len(JOB_PATH) :], main)
+        data = json.dumps(body).encode()
+        start_response(code, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
+        return [data]
+
+    return app
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a thread per request, none kept for a join at exit
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Nothing: a line per scrape and per poll would fill the log."""
+
+
+def http_server(listen: str, port: int, app: App) -> WSGIServer:
+    """A threaded WSGI server bound to ``listen``:``port`` (IPv4 or IPv6, whichever the address is)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(listen, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    server_class = type("ExporterServer", (_Server,), {"address_family": family})
+    return make_server(str(sockaddr[0]), port, app, server_class, handler_class=_QuietHandler)
+
+
+# --------------------------------------------------------------------------------------------------
 # The service: serve, and the status / stop the role runs where there is no systemd.
 
 
@@ -408,13 +467,15 @@ def _pid(pid_file: Path) -> int | None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from prometheus_client import start_http_server
+    from prometheus_client import make_wsgi_app
 
     gpus = Gpus()
     if not gpus.handles:
         log.info("no GPU series on this host (%s)", gpus.reason)
-    collector = Collector(args.host, Path(args.runs_dir), gpus)
-    start_http_server(args.port, addr=args.listen, registry=registry(collector))
+    runs_dir = Path(args.runs_dir)
+    collector = Collector(args.host, runs_dir, gpus)
+    server = http_server(args.listen, args.port, application(make_wsgi_app(registry(collector)), runs_dir, args.host))
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     log.info("serving %s on http://%s:%d/metrics (runs in %s, %d GPUs)", args.host, args.listen, args.port,
              args.runs_dir, len(gpus.handles))  # fmt: skip
     pid_file = Path(args.pid_file) if args.pid_file else None

@@ -15,8 +15,10 @@ reused by another process after the job ended is never signalled. ``runs/active-
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,7 +50,16 @@ LAUNCH_PID = "launch.pid"
 LAUNCH_LOG = "torchrun.log"
 EXIT_CODE = "exit_code"
 PROGRESS_KEYS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s")
+# A job id as the controller makes them (default-20261121-190000): one path component.
+JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 RUN_KEYS = ("last_checkpoint", "resumed", "regrouped", "cause", "phases")
+
+
+def digest() -> str:
+    """This file's hash. The node exporter serves job states with it, and the controller trusts those of an
+    exporter whose copy is its own (role exporter installs it on ``make provision``; a host module is always
+    sent the controller's copy)."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def psutil_missing(host: str, module: str) -> str:

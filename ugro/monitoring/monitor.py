@@ -11,6 +11,7 @@ configuration of ``make prometheus-config``. The exporter itself is ugro/module_
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ def _port(value: Any) -> int:
     return int(text) if text.isdigit() else 0
 
 
+@functools.cache
 def _shipped_defaults() -> dict[str, Any]:
     data = yaml.safe_load((REPO / "roles" / "ugro" / "defaults" / "main.yml").read_text())
     return dict(data or {})
@@ -78,14 +80,15 @@ def targets(inventory: Path) -> list[Target]:
     hosts = manager.get_hosts(GROUP)
     if not hosts:
         raise MonitorError(f"{inventory}: no host in the group {GROUP}")
-    default_port = _port(_shipped_defaults().get("ugro_exporter_port"))
-    found = []
-    for host in hosts:
-        hv = variables.get_vars(host=host)
-        address = _literal(hv.get("ugro_cluster_address")) or _literal(hv.get("ansible_host")) or host.name
-        port = _port(hv.get("exporter_port")) or _port(hv.get("ugro_exporter_port")) or default_port
-        found.append(Target(str(host.name), str(address), port, _port(hv.get("ugro_node_exporter_port"))))
-    return found
+    return [target(str(host.name), variables.get_vars(host=host)) for host in hosts]
+
+
+def target(host: str, hostvars: dict[str, Any]) -> Target:
+    """Where ``host``'s exporter serves, from its inventory variables (role ugro's port where they set none)."""
+    address = _literal(hostvars.get("ugro_cluster_address")) or _literal(hostvars.get("ansible_host")) or host
+    port = _port(hostvars.get("exporter_port")) or _port(hostvars.get("ugro_exporter_port"))
+    port = port or _port(_shipped_defaults().get("ugro_exporter_port"))
+    return Target(host, address, port, _port(hostvars.get("ugro_node_exporter_port")))
 
 
 # --------------------------------------------------------------------------------------------------

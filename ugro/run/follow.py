@@ -1,7 +1,8 @@
 """Follow a launched job to its end: live step, loss, tokens/s and ETA, from the hosts' own state.
 
 Where the hosts write into the controller's checkout (inventory/local.yml) the state is read from
-the run directory directly; on a cluster it comes from `playbooks/status.yml` every few seconds.
+the run directory directly; on a cluster it comes every few seconds from the hosts' node exporters, and from
+`playbooks/status.yml` for a host whose exporter gives none.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ugro.hosts.playbook import PlaybookRun, run_playbook
 from ugro.module_utils import ugro_jobstate
+from ugro.monitoring.jobstates import ExporterStates
 
 Statuses = dict[str, dict[str, Any]]
 StatusSource = Callable[[], Statuses]
@@ -28,37 +30,90 @@ def local_source(run_dir: Path, hosts: list[str]) -> StatusSource:
     return lambda: {host: ugro_jobstate.status(run_dir, host, main=True) for host in hosts}
 
 
-def remote_source(inventory: Path, job_id: str, private_dir: Path, hosts: list[str], main: str) -> StatusSource:
-    """Each poll runs playbooks/status.yml on ``hosts``; a host that does not answer reads "unreachable"."""
-    extravars = {"ugro_job_id": job_id, "ugro_rendezvous_host": main}
+class RemoteSource:
+    """Each poll reads the hosts' exporters (``exporters``: ugro/monitoring/jobstates.py) and runs playbooks/status.yml
+    on the hosts whose exporter gave no state; a host that answers neither way reads "unreachable"."""
 
-    def answers(run: PlaybookRun) -> Statuses:
-        """Each host's job state as soon as its fact module answered (the play's next task waits for every host)."""
-        found: Statuses = {}
-        for host, facts in run.facts.items():
-            status = facts.get("train_job_status") or (facts.get("ugro_host") or {}).get("job")
-            if isinstance(status, dict):
-                found[host] = status
-        return found
+    def __init__(
+        self,
+        inventory: Path,
+        job_id: str,
+        private_dir: Path,
+        hosts: list[str],
+        main: str,
+        exporters: ExporterStates | None = None,
+        on_note: Callable[[str], None] | None = None,
+    ) -> None:
+        self.inventory, self.private_dir, self.hosts = inventory, private_dir, hosts
+        self.extravars = {"ugro_job_id": job_id, "ugro_rendezvous_host": main}
+        self.exporters = exporters
+        self.on_note = on_note
+        self.ran_playbook = True  # whether the last poll ran the status playbook
 
-    def enough(run: PlaybookRun) -> bool:
-        """The hosts that have not answered yet are hosts that the answering ones cannot reach either: a cut link
-        would hold the poll for the status timeout, and recovery.Watch counts them gone at once."""
-        found = answers(run)
-        missing = [host for host in hosts if host not in found]
-        vouched = {str(peer) for status in found.values() for peer in status.get("silent_peers") or []}
-        return bool(found) and bool(missing) and all(host in vouched for host in missing)
-
-    def poll() -> Statuses:
-        run = run_playbook("status.yml", inventory, extravars, private_dir, limit=hosts, enough=enough)
-        found: Statuses = answers(run)
-        for host, message in run.failures.items():
-            found[host] = {"host": host, "state": "unreachable", "error": message}
-        for host in hosts:
+    def __call__(self) -> Statuses:
+        found, missed = self.exporters.read(self.hosts) if self.exporters is not None else ({}, {})
+        rest = [host for host in self.hosts if host not in found]
+        self.ran_playbook = bool(rest) and not _vouched_silent(found, rest)
+        if self.ran_playbook:
+            heard = _Reread(self.exporters, found)
+            run = run_playbook(
+                "status.yml", self.inventory, self.extravars, self.private_dir, limit=rest,
+                enough=lambda run: _vouched_silent(heard.now() | _answers(run), self.hosts),
+            )  # fmt: skip
+            answered = _answers(run)
+            self._polled_by_ansible({host: missed[host] for host in answered if host in missed})
+            found = heard.states | answered
+            for host, message in run.failures.items():
+                found.setdefault(host, {"host": host, "state": "unreachable", "error": message})
+        for host in self.hosts:
             found.setdefault(host, {"host": host, "state": "unreachable", "error": "no answer"})
         return found
 
-    return poll
+    def _polled_by_ansible(self, why: dict[str, str]) -> None:
+        """Hosts that Ansible reached where their exporter gave no state are asked through Ansible from now on."""
+        if self.exporters is None or not why:
+            return
+        for host, reason in why.items():
+            self.exporters.give_up(host, reason)
+        if self.on_note is not None:
+            self.on_note(
+                f"the job's state on {', '.join(why)} comes through Ansible (~3 CPU-s a poll): no state from the "
+                f"node exporter ({'; '.join(why.values())})"
+            )
+
+
+class _Reread:
+    """The states the exporters gave, read again at most every ``every_s`` while a status playbook asks the other
+    hosts: a peer that names an unanswering host silent ends that playbook (``_vouched_silent``) without waiting
+    out its status timeout, as a poll of every host through Ansible would hear it."""
+
+    def __init__(self, exporters: ExporterStates | None, states: Statuses, every_s: float = 0.5) -> None:
+        self.exporters, self.states, self.every_s = exporters, dict(states), every_s
+        self.last = time.monotonic()
+
+    def now(self) -> Statuses:
+        if self.exporters is not None and self.states and time.monotonic() - self.last >= self.every_s:
+            self.states |= self.exporters.read(list(self.states))[0]
+            self.last = time.monotonic()
+        return self.states
+
+
+def _answers(run: PlaybookRun) -> Statuses:
+    """Each host's job state as soon as its fact module answered (the play's next task waits for every host)."""
+    found: Statuses = {}
+    for host, facts in run.facts.items():
+        status = facts.get("train_job_status") or (facts.get("ugro_host") or {}).get("job")
+        if isinstance(status, dict):
+            found[host] = status
+    return found
+
+
+def _vouched_silent(found: Statuses, hosts: list[str]) -> bool:
+    """The hosts that have not answered are hosts that the answering ones cannot reach either: a cut link would
+    hold a status poll for its timeout, and recovery.Watch counts them gone at once."""
+    missing = [host for host in hosts if host not in found]
+    vouched = {str(peer) for status in found.values() for peer in status.get("silent_peers") or []}
+    return bool(found) and bool(missing) and all(host in vouched for host in missing)
 
 
 def ended(statuses: Statuses) -> bool:
@@ -66,23 +121,24 @@ def ended(statuses: Statuses) -> bool:
 
 
 # While the ranks start (every host running, none with a step yet) a poll has nothing to show, and on the 3-host
-# test cluster each one costs the machine ~3 CPU-s that the starting ranks' imports wait for (docs/results.md,
-# "Recovery"): a remote cluster is polled at most this often until the first step, and a failed start is seen
+# test cluster a poll through Ansible costs the machine ~3 CPU-s that the starting ranks' imports wait for
+# (docs/results.md, "Recovery"): such polls come at most this often until the first step, and a failed start is seen
 # within it.
 START_POLL_S = 5.0
 
 
 class Pacer:
     """How long to wait before the next poll: ``poll_s``, except right after a host stopped answering, and at least
-    ``start_s`` while the ranks start.
+    ``start_s`` while the ranks start where the last poll was ``costly`` (it ran a playbook).
 
     A host silent on one poll counts as gone only on the next (or when its peers vouch it silent), and a poll that
     was under way when its link went down has already waited out the status timeout for it: ask again at once,
     once per host that turned silent, so that a cut link is not also held for ``poll_s``."""
 
-    def __init__(self, poll_s: float, start_s: float = 0.0) -> None:
+    def __init__(self, poll_s: float, start_s: float = 0.0, costly: Callable[[], bool] = lambda: True) -> None:
         self.poll_s = poll_s
         self.start_s = start_s
+        self.costly = costly
         self.silent: set[str] = set()
 
     def pause(self, statuses: Statuses) -> float:
@@ -91,7 +147,7 @@ class Pacer:
         if newly:
             return 0.0
         starting = all(s.get("state") == "running" and "step" not in s for s in statuses.values())
-        return max(self.poll_s, self.start_s) if statuses and starting else self.poll_s
+        return max(self.poll_s, self.start_s) if statuses and starting and self.costly() else self.poll_s
 
 
 def _progress_row(statuses: Statuses) -> dict[str, Any] | None:
@@ -105,12 +161,9 @@ def _eta(seconds: float | None) -> str:
     return f"{minutes}:{secs:02d}"
 
 
-def follow(
-    source: StatusSource, console: Console, poll_s: float, until: Until = ended, start_poll_s: float = 0.0
-) -> Statuses:
-    """Poll until ``until`` says so (by default: every host's job has ended), every ``poll_s`` (``start_poll_s``
-    at least while the ranks start: ``Pacer``); Ctrl-C propagates to the caller (the job keeps running)."""
-    pacer = Pacer(poll_s, start_poll_s)
+def follow(source: StatusSource, console: Console, pacer: Pacer, until: Until = ended) -> Statuses:
+    """Poll until ``until`` says so (by default: every host's job has ended), as often as ``pacer`` says; Ctrl-C
+    propagates to the caller (the job keeps running)."""
     if not console.is_terminal:
         return _follow_plain(source, console, pacer, until)
     columns = (

@@ -24,8 +24,10 @@ from rich.console import Console
 from train.config import JobConfig
 from ugro.hosts.inventory import Cluster
 from ugro.hosts.playbook import PlaybookRun, run_playbook
+from ugro.monitoring import monitor
+from ugro.monitoring.jobstates import ExporterStates
 from ugro.run import recovery, replicas
-from ugro.run.follow import ENDED, START_POLL_S, Statuses, follow, local_source, remote_source
+from ugro.run.follow import ENDED, START_POLL_S, Pacer, RemoteSource, Statuses, follow, local_source
 from ugro.run.records import Cause, Restart, RunRecord
 
 
@@ -71,6 +73,7 @@ class Supervisor:
         self._copying: Future[None] | None = None
         self._copy_hosts: set[str] = set()  # the hosts the copy under way talks to now
         self._members: set[str] = set()  # the run's hosts as the supervisor last knew them (run() keeps it)
+        self._exporters: ExporterStates | None = None  # one for the run: a host given up on stays given up
         self.first_launch: PlaybookRun | None = None  # its events time the launch's phases (ugro/run/phases.py)
         # The first launch's main rank's own phases (run.json ``phases``), as a poll saw them: the main host may be
         # lost before the end, when the run's records are collected from another.
@@ -101,10 +104,19 @@ class Supervisor:
         }
         return run_playbook("train.yml", self.inventory, extravars, self.private, on_task=self.on_task, limit=hosts)
 
-    def _source(self, hosts: list[str], main: str) -> Callable[[], Statuses]:
-        if not self.cluster.remote:
-            return local_source(self.run_dir, hosts)
-        return remote_source(self.inventory, self.run_dir.name, self.private, hosts, main)
+    def _source(self, hosts: list[str], main: str) -> tuple[Callable[[], Statuses], Pacer]:
+        """Where the hosts' job states come from, and how often to ask."""
+        if not self.cluster.remote:  # a local poll reads files: it costs nothing
+            return local_source(self.run_dir, hosts), Pacer(self.poll_s)
+        if self._exporters is None:
+            targets = [monitor.target(h, self.cluster.hostvars.get(h, {})) for h in self.cluster.hosts]
+            self._exporters = ExporterStates(targets, self.run_dir.name, main)
+        self._exporters.main = main
+        source = RemoteSource(self.inventory, self.run_dir.name, self.private, hosts, main, self._exporters, self._note)
+        return source, Pacer(self.poll_s, START_POLL_S, lambda: source.ran_playbook)
+
+    def _note(self, line: str) -> None:
+        self.console.print(f"[yellow]note:[/] {line}", highlight=False)
 
     def _replicate(self, main: str, status: dict[str, Any], hosts: list[str]) -> None:
         """In the background (polls go on): fetch the main host's newest checkpoint if the controller lacks it."""
@@ -132,7 +144,7 @@ class Supervisor:
     ) -> tuple[str, Statuses, recovery.Watch, int]:
         watch = recovery.Watch(hosts, main=main, regrouped=generation > 0)
         seen: dict[str, Any] = {"step": 0, "verdict": "running"}
-        source = self._source(hosts, main)
+        source, pacer = self._source(hosts, main)
 
         def until(statuses: Statuses) -> bool:
             watch.note(statuses)
@@ -147,8 +159,7 @@ class Supervisor:
             seen["verdict"] = watch.verdict(statuses)
             return seen["verdict"] != "running"
 
-        start_poll_s = START_POLL_S if self.cluster.remote else 0.0  # a local poll reads files: it costs nothing
-        statuses = follow(source, self.console, self.poll_s, until, start_poll_s)
+        statuses = follow(source, self.console, pacer, until)
         return str(seen["verdict"]), statuses, watch, int(seen["step"])
 
     def _settle_when_seen(self, statuses: Statuses, main: str, attempt: int, generation: int) -> bool:
