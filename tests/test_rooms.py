@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "ugro.stack": set(),
     "ugro.hosts": set(),
     "ugro.model": set(),
-    "ugro.run": {"ugro.hosts"},
+    "ugro.run": {"ugro.hosts", "ugro.monitoring"},
     "ugro.checks": {"ugro.hosts", "ugro.stack", "ugro.model", "ugro.run"},
     "ugro.monitoring": {"ugro.hosts"},
     "ugro.schedulers": {"ugro.hosts", "ugro.checks", "ugro.model"},
