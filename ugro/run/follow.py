@@ -77,8 +77,9 @@ class RemoteSource:
             self.exporters.give_up(host, reason)
         if self.on_note is not None:
             self.on_note(
-                f"the job's state on {', '.join(why)} comes through Ansible (~3 CPU-s a poll): no state from the "
-                f"node exporter ({'; '.join(why.values())})"
+                f"the job's state on {', '.join(why)} comes through Ansible, a playbook each poll, for the rest of "
+                f"this run: no state from the node exporter ({'; '.join(why.values())}). `make provision` installs "
+                "the exporters."
             )
 
 
