@@ -54,20 +54,20 @@ class ExporterStates:
     def _one(self, client: httpx.Client, host: str) -> dict[str, Any] | str:
         """The host's job state, or why there is none."""
         target = self.targets[host]
-        url = f"http://{target.endpoint}/job/{self.job_id}" + ("?main=1" if host == self.main else "")
+        at = target.endpoint
         try:
-            response = client.get(url)
+            response = client.get(f"http://{at}/job/{self.job_id}" + ("?main=1" if host == self.main else ""))
         except httpx.HTTPError as exc:
-            return f"{url}: {type(exc).__name__} {exc}".strip()
+            return f"{at} {type(exc).__name__}: {exc}".strip()
         if response.status_code != 200 or not response.headers.get("content-type", "").startswith("application/json"):
-            return f"{url}: HTTP {response.status_code} (an exporter older than this controller: `make provision`)"
+            return f"{at}: HTTP {response.status_code} (an exporter older than this controller: `make provision`)"
         try:
             state = response.json()
         except ValueError:
-            return f"{url}: not JSON"
+            return f"{at}: not JSON"
         if not isinstance(state, dict) or state.get("jobstate") != self.digest:
-            return f"{url}: the exporter runs another ugro_jobstate.py than this controller (`make provision`)"
+            return f"{at}: the exporter runs another ugro_jobstate.py than this controller (`make provision`)"
         if state.get("host") != host or not isinstance(state.get("state"), str):
-            return f"{url}: the exporter reports host {state.get('host')!r} (exporter_host_name)"
+            return f"{at}: the exporter reports host {state.get('host')!r} (exporter_host_name)"
         del state["jobstate"]
         return state
