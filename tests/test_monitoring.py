@@ -186,15 +186,15 @@ def test_the_exporter_serves_the_job_state_that_the_status_module_reads(planted:
     # otherwise why not (that host is then polled through Ansible).
     host, port = exporter_http.split(":")
     here = monitor.Target("node4070", host, int(port))
-    states = ExporterStates([here, monitor.Target("node3070", host, free_port())], job, main="node4070")
-    found, missed = states.read(["node4070", "node3070"])
+    states = ExporterStates([here, monitor.Target("node3070", host, free_port())], job)
+    found, missed = states.read(["node4070", "node3070"], main="node4070")
     assert found["node4070"]["step"] == 7 and "jobstate" not in found["node4070"]
     assert list(missed) == ["node3070"] and "ConnectError" in missed["node3070"]
-    wrong_host = ExporterStates([monitor.Target("node4080", host, int(port))], job, main="node4080")
-    assert "reports host 'node4070'" in wrong_host.read(["node4080"])[1]["node4080"]
-    other_code = ExporterStates([here], job, main="node4070")
+    wrong_host = ExporterStates([monitor.Target("node4080", host, int(port))], job)
+    assert "reports host 'node4070'" in wrong_host.read(["node4080"], main="node4080")[1]["node4080"]
+    other_code = ExporterStates([here], job)
     other_code.digest = "0" * 16  # an exporter provisioned from another ugro
-    assert "another ugro_jobstate.py" in other_code.read(["node4070"])[1]["node4070"]
+    assert "another ugro_jobstate.py" in other_code.read(["node4070"], main="node4070")[1]["node4070"]
 
 
 def _grafana_exprs() -> list[str]:
@@ -437,7 +437,7 @@ def test_exporters_prometheus_and_dashboard_during_a_job(
         job_id = sorted(p.name for p in runs_dir().glob("monitor-test-*"))[-1]
         notes: list[str] = []
         poll = RemoteSource(inventory, job_id, tmp_path / "ansible", ["tb1", "tb2", "tb3"], "tb1",
-                            ExporterStates(targets, job_id, "tb1"), notes.append)  # fmt: skip
+                            ExporterStates(targets, job_id), notes.append)  # fmt: skip
         states = poll()
         assert not poll.ran_playbook and {h: s["state"] for h, s in states.items()} == dict.fromkeys(texts, "running")
         assert states["tb1"]["step"] >= 3 and states["tb1"]["pids"] and "step" not in states["tb2"]

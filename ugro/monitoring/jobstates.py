@@ -25,17 +25,16 @@ TIMEOUT_S = 1.0  # an exporter on the LAN answers in milliseconds; a host that d
 class ExporterStates:
     """The job's state on each host of ``targets`` from its exporter."""
 
-    def __init__(self, targets: list[Target], job_id: str, main: str, timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(self, targets: list[Target], job_id: str, timeout_s: float = TIMEOUT_S) -> None:
         self.targets = {t.host: t for t in targets}
         self.job_id = job_id
-        self.main = main
         self.timeout_s = timeout_s
         self.digest = ugro_jobstate.digest()
         self.given_up: dict[str, str] = {}  # host -> why it is asked through Ansible for the rest of the run
 
-    def read(self, hosts: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-        """The states of those of ``hosts`` whose exporters answered, read at once, and why each other host asked
-        gave none (a host given up on is not asked)."""
+    def read(self, hosts: list[str], main: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """The states of those of ``hosts`` whose exporters answered, read at once (``main``: the host that keeps the
+        run), and why each other host asked gave none (a host given up on is not asked)."""
         asked = [h for h in hosts if h in self.targets and h not in self.given_up]
         if not asked:
             return {}, {}
@@ -43,7 +42,7 @@ class ExporterStates:
             httpx.Client(timeout=self.timeout_s, trust_env=False) as client,  # no proxy between hosts of one LAN
             ThreadPoolExecutor(max_workers=len(asked), thread_name_prefix="ugro-job-state") as pool,
         ):
-            answers = dict(zip(asked, pool.map(lambda host: self._one(client, host), asked), strict=True))
+            answers = dict(zip(asked, pool.map(lambda host: self._one(client, host, host == main), asked), strict=True))
         found = {host: answer for host, answer in answers.items() if not isinstance(answer, str)}
         return found, {host: answer for host, answer in answers.items() if isinstance(answer, str)}
 
@@ -51,12 +50,12 @@ class ExporterStates:
         """``host`` answered through Ansible where its exporter did not: ask it through Ansible from now on."""
         self.given_up[host] = why
 
-    def _one(self, client: httpx.Client, host: str) -> dict[str, Any] | str:
+    def _one(self, client: httpx.Client, host: str, main: bool) -> dict[str, Any] | str:
         """The host's job state, or why there is none."""
         target = self.targets[host]
         at = target.endpoint
         try:
-            response = client.get(f"http://{at}/job/{self.job_id}" + ("?main=1" if host == self.main else ""))
+            response = client.get(f"http://{at}/job/{self.job_id}" + ("?main=1" if main else ""))
         except httpx.HTTPError as exc:
             return f"{at} {type(exc).__name__}: {exc}".strip()
         if response.status_code != 200 or not response.headers.get("content-type", "").startswith("application/json"):

@@ -45,17 +45,18 @@ class RemoteSource:
         on_note: Callable[[str], None] | None = None,
     ) -> None:
         self.inventory, self.private_dir, self.hosts = inventory, private_dir, hosts
+        self.main = main
         self.extravars = {"ugro_job_id": job_id, "ugro_rendezvous_host": main}
         self.exporters = exporters
         self.on_note = on_note
         self.ran_playbook = True  # whether the last poll ran the status playbook
 
     def __call__(self) -> Statuses:
-        found, missed = self.exporters.read(self.hosts) if self.exporters is not None else ({}, {})
+        found, missed = self.exporters.read(self.hosts, self.main) if self.exporters is not None else ({}, {})
         rest = [host for host in self.hosts if host not in found]
         self.ran_playbook = bool(rest) and not _vouched_silent(found, rest)
         if self.ran_playbook:
-            heard = _Reread(self.exporters, found)
+            heard = _Reread(self.exporters, found, self.main)
             run = run_playbook(
                 "status.yml", self.inventory, self.extravars, self.private_dir, limit=rest,
                 enough=lambda run: _vouched_silent(heard.now() | _answers(run), self.hosts),
@@ -88,13 +89,13 @@ class _Reread:
     hosts: a peer that names an unanswering host silent ends that playbook (``_vouched_silent``) without waiting
     out its status timeout, as a poll of every host through Ansible would hear it."""
 
-    def __init__(self, exporters: ExporterStates | None, states: Statuses, every_s: float = 0.5) -> None:
-        self.exporters, self.states, self.every_s = exporters, dict(states), every_s
+    def __init__(self, exporters: ExporterStates | None, states: Statuses, main: str, every_s: float = 0.5) -> None:
+        self.exporters, self.states, self.main, self.every_s = exporters, dict(states), main, every_s
         self.last = time.monotonic()
 
     def now(self) -> Statuses:
         if self.exporters is not None and self.states and time.monotonic() - self.last >= self.every_s:
-            self.states |= self.exporters.read(list(self.states))[0]
+            self.states |= self.exporters.read(list(self.states), self.main)[0]
             self.last = time.monotonic()
         return self.states
 

@@ -110,8 +110,7 @@ class Supervisor:
             return local_source(self.run_dir, hosts), Pacer(self.poll_s)
         if self._exporters is None:
             targets = [monitor.target(h, self.cluster.hostvars.get(h, {})) for h in self.cluster.hosts]
-            self._exporters = ExporterStates(targets, self.run_dir.name, main)
-        self._exporters.main = main
+            self._exporters = ExporterStates(targets, self.run_dir.name)
         source = RemoteSource(self.inventory, self.run_dir.name, self.private, hosts, main, self._exporters, self._note)
         return source, Pacer(self.poll_s, START_POLL_S, lambda: source.ran_playbook)
 
