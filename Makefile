@@ -130,9 +130,13 @@ typecheck: venv
 # The full tier (what CI runs): lint, types, every test (the test cluster, torchrun, Ansible and SLURM ones need
 # root and the tools .ci/run installs), then every role's Molecule scenario. Not side by side: on two cores
 # pytest's ranks and Molecule's Ansible both want the CPU, and together they took longer (docs/results.md).
-test: venv lint typecheck
-	$(PY) -m pytest $(PYTEST_ARGS) tests
-	$(MAKE) molecule
+# Each phase prints its duration as it ends (tools/timed).
+TIMED := tools/timed
+test: venv
+	$(TIMED) "make test: lint" $(MAKE) --no-print-directory lint
+	$(TIMED) "make test: types" $(MAKE) --no-print-directory typecheck
+	$(TIMED) "make test: pytest" $(PY) -m pytest $(PYTEST_ARGS) tests
+	$(TIMED) "make test: Molecule" $(MAKE) --no-print-directory molecule
 
 # The fast tier, a developer's loop (tests/README.md): ruff, then the tests that use none of the test cluster,
 # real ranks, Ansible, SLURM or the network (markers applied by tests/conftest.py); no root, under 3 minutes.

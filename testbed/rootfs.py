@@ -6,7 +6,8 @@ Debian 12 or 13 (minbase + what a fresh cloud image has: python3, python3-apt, o
 and python3-psutil for ugro's host modules), and reaches Debian's packages only through an
 apt-cacher-ng proxy that the testbed runs on its bridge address: the hosts have no route out.
 
-    python -m testbed.rootfs build [13]  # build the cache of Debian 12 (or 13) now (~3 min once; up does it too)
+    python -m testbed.rootfs build [12] [13]  # build the cache of Debian 12 (the default) or 13 now (~1 min each,
+                                              # once; up does it too)
 
 The cache lives in /var/cache/ugro-testbed (UGRO_TESTBED_CACHE overrides it), keyed by the package
 list, and is built in a temporary directory and renamed into place, so a half-built one is never used.
@@ -225,11 +226,12 @@ def bwrap_argv(bwrap: str, root: Path, name: str, info_fd: int) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if argv[1:2] != ["build"] or len(argv) > 3:
+    if argv[1:2] != ["build"] or any(release not in SUITES for release in argv[2:]):
         print(__doc__, file=sys.stderr)
         return 2
     try:
-        print(ensure_base(argv[2] if len(argv) > 2 else "12"))
+        for release in argv[2:] or ["12"]:
+            print(ensure_base(release))
     except RootfsError as exc:
         print(f"rootfs: {exc}", file=sys.stderr)
         return 1

@@ -49,6 +49,15 @@ def _running_step(status: str) -> int | None:
     return max(steps, default=None)
 
 
+def _main_host_step(testbed: Any, name: str) -> int:
+    """The newest step in the main host's (tb1's) metrics.jsonl of the job's newest run, read from its own disk."""
+    runs = sorted(runs_dir().glob(f"{name}-*"))
+    if not runs:
+        return 0
+    rows = read_metrics(testbed.dir / "tb1" / "opt" / "ugro" / "runs" / runs[-1].name)
+    return int(rows[-1]["step"]) if rows else 0
+
+
 def _follow(job_file: Path, cluster: Path, *extra: str) -> subprocess.Popen[str]:
     """`make train JOB=... INVENTORY=... [RESUME=auto]` as the README shows it, in a process group of its own."""
     argv = ["make", "--no-print-directory", "train", f"JOB={job_file.relative_to(REPO)}", f"INVENTORY={cluster}"]
@@ -63,38 +72,39 @@ def _end(follower: subprocess.Popen[str]) -> None:
         follower.wait()
 
 
-def _wait_running(follower: subprocess.Popen[str], cluster: Path, step: int) -> None:
-    """Until every host runs the job at ``step`` or later; fails if the launch ends first."""
+def _wait_running(follower: subprocess.Popen[str], cluster: Path, testbed: Any, job_file: Path, step: int) -> None:
+    """Until the job has reached ``step`` (the main host's metrics, read as they are written), then `ugro status`
+    must show every host running it there; fails if the launch ends first."""
     deadline = time.monotonic() + 600
-    status = ""
-    while True:
+    while _main_host_step(testbed, job_file.stem) < step:
         assert follower.poll() is None, follower.stdout.read() if follower.stdout else ""
-        assert time.monotonic() < deadline, f"the job never reached step {step} on every host:\n{status}"
-        status = cli("status", "--inventory", str(cluster), timeout=120).stdout
-        reached = _running_step(status)
-        if reached is not None and reached >= step:
-            return
-        time.sleep(2)
+        assert time.monotonic() < deadline, f"the job never reached step {step}"
+        time.sleep(0.2)
+    status = cli("status", "--inventory", str(cluster), timeout=120).stdout
+    reached = _running_step(status)
+    assert reached is not None and reached >= step, f"not every host shows the job running at step {step}:\n{status}"
 
 
-def _stop(follower: subprocess.Popen[str], cluster: Path, job_id: str, make: Run) -> None:
+def _stop(follower: subprocess.Popen[str], cluster: Path, job_id: str, make: Run, status_after: bool = True) -> None:
     """`make stop` and `make status` with the JOB_ID= the README shows (make hands it to the environment too)."""
     stopped = make("stop", f"INVENTORY={cluster}", f"JOB_ID={job_id}", timeout=200)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert f"job {job_id}: no process of it is left on tb1, tb2, tb3" in " ".join(stopped.stdout.split())
     assert not job_processes(job_id), job_processes(job_id)
     follower.wait(timeout=120)  # the follower sees every host stopped, collects the logs and ends
+    if not status_after:
+        return
     status = make("status", f"INVENTORY={cluster}", f"JOB_ID={job_id}", timeout=120)
     assert status.returncode == 0 and "awx_display" not in status.stdout + status.stderr, status.stderr
     assert status.stdout.count("stopped") == 3, status.stdout
 
 
 def test_stop_mid_run_leaves_no_process_and_resume_continues(
-    cluster: Path, long_job_file: Path, ugro_train: Run, make: Run
+    cluster: Path, testbed: Any, long_job_file: Path, ugro_train: Run, make: Run
 ) -> None:
     follower = _follow(long_job_file, cluster)
     try:
-        _wait_running(follower, cluster, 11)
+        _wait_running(follower, cluster, testbed, long_job_file, 11)
         job_id = newest_run("cluster-stop-test").name
         assert len(job_processes(job_id)) >= 6  # 3 launch scripts + 3 torchruns, + workers
 
@@ -110,9 +120,9 @@ def test_stop_mid_run_leaves_no_process_and_resume_continues(
 
     resumed = _follow(long_job_file, cluster, "RESUME=auto")
     try:
-        _wait_running(resumed, cluster, stopped_at + 3)
+        _wait_running(resumed, cluster, testbed, long_job_file, stopped_at + 3)
         assert _latest() == job_id
-        _stop(resumed, cluster, job_id, make)
+        _stop(resumed, cluster, job_id, make, status_after=False)  # the first stop checked `make status`'s rows
     finally:
         _end(resumed)
     main_log = (runs_dir() / job_id / "logs" / "tb1-rank0.log").read_text()

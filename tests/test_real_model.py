@@ -157,7 +157,7 @@ def test_gguf_export_loads_in_llama_cpp_and_answers_like_the_merged_model(qlora_
     import yaml
     from helpers import cli
 
-    done = cli("export", "--job-id", qlora_run.name, "--format", "gguf", "--quant", "f16,q8_0", "--questions", "4",
+    done = cli("export", "--job-id", qlora_run.name, "--format", "gguf", "--quant", "f16,q8_0", "--questions", "2",
                env={"UGRO_RUNS_DIR": str(qlora_run.parent)}, timeout=1800)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = qlora_run / "gguf"
@@ -170,7 +170,7 @@ def test_gguf_export_loads_in_llama_cpp_and_answers_like_the_merged_model(qlora_
     assert f16["tensors"]["exact"] + f16["tensors"]["rounded"] == f16["tensors"]["tensors"]
     # llama.cpp tokenizes the prompts as transformers does, keeps the chat template, and answers alike.
     assert f16["answers"]["prompt_tokens_agree"] and f16["chat_template_kept"]
-    assert f16["answers"]["questions"] == 4
+    assert f16["answers"]["questions"] == 2  # two suffice to compare the answers; each costs both models' decoding
     assert f16["answers"]["same_tokens_min"] >= 16 or all(d["margin"] < 0.05 for d in f16["answers"]["divergences"])
     assert abs(f16["loss_rel_diff"]) <= 0.002 and abs(q8["loss_rel_diff"]) <= 0.01
     modelfile = (out / "Modelfile").read_text()
