@@ -148,8 +148,8 @@ test-fast: venv
 
 # Every role's Molecule scenario (converge, idempotence, verify) on rootfs test hosts (root);
 # SCENARIO=<role> runs one. The first run debootstraps the test hosts' Debian 12 (~3 min, cached).
-# Two scenarios side by side (MOLECULE_JOBS), each on test hosts of its own: they mostly wait on SSH and apt.
-MOLECULE_JOBS ?= 2
+# Three scenarios side by side (MOLECULE_JOBS), each on test hosts of its own: they mostly wait on SSH and apt.
+MOLECULE_JOBS ?= 3
 molecule: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(if $(SCENARIO),molecule test -s $(SCENARIO),$(PY) -m tools.molecule_all --jobs $(MOLECULE_JOBS))
 
