@@ -45,7 +45,10 @@ def _record_pid(run_dir: Path, host: str, rank: int) -> None:
     """So that `make stop` can end exactly this process (torchrun gives each new interpreter a session of its own)."""
     host_dir = run_dir / "hosts" / host
     host_dir.mkdir(parents=True, exist_ok=True)
-    (host_dir / f"worker-rank{rank}.pid").write_text(f"{os.getpid()}\n")
+    path = host_dir / f"worker-rank{rank}.pid"
+    tmp = path.with_name(f".{path.name}.tmp")  # renamed into place: a reader never sees it half written
+    tmp.write_text(f"{os.getpid()}\n")
+    os.replace(tmp, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
