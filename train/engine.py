@@ -160,7 +160,7 @@ class Pipelined(_Engine):
         mine = list(range(self.where.replica, len(blocks), len(self.layout.replicas)))
         batches = [blocks.batch(mine[i : i + batch_size], self.info.device) for i in range(0, len(mine), batch_size)]
         summed, tokens = self.runner.loss(batches)
-        total = torch.tensor([summed, float(tokens)], dtype=torch.float64)
+        total = torch.tensor([summed, float(tokens)], dtype=torch.float64, device=self.info.device)  # NCCL: CUDA only
         if dist.is_initialized() and self.info.world_size > 1:
             dist.all_reduce(total)
         self.model.train(was_training)

@@ -173,7 +173,7 @@ class StageRunner:
         for _ in range(max_new_tokens):
             _, out = self.forward({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
             self._finish_sends()
-            message = torch.zeros(2, dtype=torch.long)
+            message = torch.zeros(2, dtype=torch.long, device=ids.device)  # the rank's device: NCCL carries CUDA only
             if self.where.last:
                 token = int(out[0, -1].argmax())
                 message[0], message[1] = token, int(token in stop_ids)
@@ -210,6 +210,8 @@ class GradSync:
             for name in names or []:
                 holders.setdefault(name, []).append(other)
         self.params = dict(named)
+        # Where the norm's all-reduce happens: the parameters' (the rank's) device, which NCCL needs.
+        self.device = named[0][1].device if named else torch.device("cpu")
         self.lead = [p for name, p in named if holders[name][0] == rank]  # counts each parameter once in the norm
         sets = sorted({tuple(h) for h in holders.values() if len(h) > 1})
         self.buckets: list[tuple[Any, list[torch.nn.Parameter]]] = []
@@ -229,10 +231,10 @@ class GradSync:
 
     def clip(self, max_norm: float) -> float:
         """Clip every gradient by the norm of the whole gradient (as clip_grad_norm_); return that norm."""
-        squares = torch.zeros((), dtype=torch.float64)
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for param in self.lead:
             if param.grad is not None:
-                squares += param.grad.detach().double().pow(2).sum().cpu()
+                squares += param.grad.detach().double().pow(2).sum()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(squares)
         norm = math.sqrt(float(squares))

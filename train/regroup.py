@@ -327,10 +327,11 @@ def form(backend: str, store: dist.Store, attempt: int, generation: int, rank: i
     dist.init_process_group(store=prefixed, rank=rank, world_size=world, **kwargs)
 
 
-def agree_step(done: int) -> tuple[int, int, int]:
+def agree_step(done: int, device: torch.device) -> tuple[int, int, int]:
     """Collective over the new group: the step to continue from (the newest any survivor completed), the lowest
-    rank that completed it (whose state the others take), and how many ranks had not."""
-    mine = torch.tensor([done, dist.get_rank()], dtype=torch.int64)
+    rank that completed it (whose state the others take), and how many ranks had not. ``device`` is the rank's:
+    the new group's backend carries it (NCCL: CUDA tensors only)."""
+    mine = torch.tensor([done, dist.get_rank()], dtype=torch.int64, device=device)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     target = max(int(t[0]) for t in everyone)
