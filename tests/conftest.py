@@ -82,6 +82,15 @@ def _runs_in_a_temporary_directory(tmp_path_factory: pytest.TempPathFactory) -> 
         yield runs
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _ranks_fail_where_nccl_would() -> Iterator[None]:
+    """Every rank a test starts on this machine (spawned, torchrun, `make train` on localhost) runs under the device
+    checker (train/devicecheck.py): a collective given a tensor NCCL would not carry fails the test."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("UGRO_CHECK_DEVICES", os.environ.get("UGRO_CHECK_DEVICES", "1"))  # =0 to run without it
+        yield
+
+
 @pytest.fixture(scope="session")
 def repo_jobs() -> Iterator[Path]:
     """A directory for the session's job files inside jobs/ (the code archive ships jobs/ to the hosts), ignored by

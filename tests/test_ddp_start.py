@@ -1,6 +1,6 @@
 """DDP start-up (train/distributed.py ``wrap``): every rank starts from rank 0's trainable weights, the frozen
 base is never broadcast, gradients are still averaged, and ranks whose trainable parameters differ in layout
-fail on every rank with one message naming the host."""
+fail on every rank with one message naming the host; a DDP whose synchronization is off stops the first step."""
 
 from __future__ import annotations
 
@@ -48,6 +48,18 @@ def _rank(rank: int, port: int, out: str) -> None:
     ddp(torch.full((2, 4), float(rank + 1))).sum().backward()  # a different batch on every rank
     assert model.adapter.weight.grad is not None
     started["grad"] = model.adapter.weight.grad.detach().clone()
+    distributed.check_gradients_agree([model.adapter.weight], info, "hf")  # all-reduced: they agree, no error
+
+    # A library that turns DDP's synchronization off (as unsloth once did): each rank keeps its own gradient.
+    model.adapter.weight.grad = None
+    ddp.require_backward_grad_sync = False
+    ddp(torch.full((2, 4), float(rank + 1))).sum().backward()
+    try:
+        distributed.check_gradients_agree([model.adapter.weight], info, "unsloth")
+        started["unsynchronized"] = "no error"  # type: ignore[assignment]
+    except ConfigError as exc:
+        started["unsynchronized"] = str(exc)  # type: ignore[assignment]
+    ddp.require_backward_grad_sync = True
 
     # Rank 1 built its adapter wider: one error, the same on every rank, and nobody left waiting.
     try:
@@ -72,6 +84,9 @@ def test_ranks_start_from_rank_0s_trainable_weights_and_keep_their_own_base(
         assert torch.equal(seen["table"], torch.full((4,), float(rank))), rank  # buffers neither
         assert torch.equal(seen["grad"], ranks[0]["grad"]), rank  # DDP still averages the gradients
     assert not torch.equal(ranks[0]["grad"], torch.zeros(4, 4))
+    refusal = ranks[0]["unsynchronized"]
+    assert refusal == ranks[1]["unsynchronized"] and refusal.startswith("model.backend: unsloth: "), refusal
+    assert "host0 (rank 0): " in refusal and "host1 (rank 1): " in refusal and "did not all-reduce" in refusal
     messages = {seen["error"] for seen in ranks}
     assert len(messages) == 1, messages
     message = messages.pop()

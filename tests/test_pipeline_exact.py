@@ -19,6 +19,7 @@ from train.model import load_model
 from train.step import StepClock, backward
 
 JOB = JobConfig.model_validate(small_job(lora={"dropout": 0.0}, data={"seq_len": 24, "packing": False}))
+CPU = torch.device("cpu")
 LAYERS = 4  # models/tiny-llama
 HIDDEN = 128
 MAX_NORM = 0.05  # small enough that clipping acts: the clipped update must match too
@@ -34,8 +35,8 @@ def _replica_batches(replicas: int) -> list[list[dict[str, torch.Tensor]]]:
     return [_union()] if replicas == 1 else [parts[0], parts[1] + parts[2]]
 
 
-def _whole_model() -> Any:
-    model, _, _ = load_model(JOB, REPO, torch.device("cpu"))
+def _whole_model(device: torch.device = CPU) -> Any:
+    model, _, _ = load_model(JOB, REPO, device)
     stagemodel.seed_lora(model, JOB.train.seed)
     return model
 
@@ -59,13 +60,14 @@ def _rank(rank: int, port: int, groups: list[list[int]], out: str, scratch: str)
     layout = topology.fixed(LAYERS, [f"h{r}" for r in range(world)], groups)
     where, stage = layout.where(rank), layout.stage(rank)
     if where.stages == 1:
-        model = _whole_model()
+        model = _whole_model(info.device)
     else:
         model, _ = stagemodel.load_stage(JOB, REPO, stage, where.first, where.last, info.device, Path(scratch))
     named = pipeline.named_trainable(model, stage.start)
     sync = pipeline.GradSync(named, rank, world)
     run = pipeline.StageRunner(model, where, HIDDEN, torch.float32, info.device)
-    run.step(_replica_batches(len(groups))[where.replica], StepClock())
+    batches = [{k: v.to(info.device) for k, v in mb.items()} for mb in _replica_batches(len(groups))[where.replica]]
+    run.step(batches, StepClock())
     sync.all_reduce()
     norm = sync.clip(MAX_NORM)
     assert norm > MAX_NORM

@@ -44,15 +44,20 @@ def _batches() -> list[list[dict[str, torch.Tensor]]]:
 WORLD = len(_batches())
 
 
-def _model() -> torch.nn.Module:
-    model, _, _ = load_model(JobConfig.model_validate(JOB), REPO, torch.device("cpu"))
+CPU = torch.device("cpu")
+
+
+def _model(device: torch.device = CPU) -> torch.nn.Module:
+    model, _, _ = load_model(JobConfig.model_validate(JOB), REPO, device)
     return model
 
 
-def _step(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _step(
+    model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], device: torch.device = CPU
+) -> dict[str, torch.Tensor]:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1.0)  # SGD: the update is the gradient itself, nothing hides an error
-    backward(model, micro_batches, torch.device("cpu"))
+    backward(model, [{k: v.to(device) for k, v in mb.items()} for mb in micro_batches], device)
     opt.step()
     return {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -63,8 +68,8 @@ def _rank(rank: int, port: int, out: str, compress: str) -> None:
     )
     torch.set_num_threads(1)
     info = distributed.init(timeout_s=120)
-    model = _model()
-    after = _step(distributed.wrap(model, info, compress=compress), _batches()[rank])
+    model = _model(info.device)  # as a rank loads it: on its device (the checker's, on CPU)
+    after = _step(distributed.wrap(model, info, compress=compress), _batches()[rank], info.device)
     if rank == 0:
         torch.save(after, out)
     # As a worker ends: wait for every rank, so none tears gloo down under a peer (which can abort it).

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from train import regroup
+from train import comm, devicecheck, regroup
 from train.config import ConfigError, JobConfig
 from train.step import StepClock
 
@@ -45,13 +45,20 @@ def init(timeout_s: int) -> RankInfo:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
+    elif devicecheck.install():  # tests: the default group stands for NCCL, the rank's device for its GPU
+        device, backend = devicecheck.RANK_DEVICE, "gloo"
     else:
         device, backend = torch.device("cpu"), "gloo"
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
         kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
         if device.type == "cuda":
             kwargs["device_id"] = device
+            # A collective past the timeout: the watchdog aborts the communicator and the wait raises, and the
+            # rank records the failure (the default, 3, ends the process without a word). A regroup aborts the
+            # broken group itself before (train/regroup.py ``leave``).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         dist.init_process_group(**kwargs)
+        comm.control_group()  # made now, while every rank is here: made later, a lost peer would block it
     host = os.environ.get("UGRO_HOST") or socket.gethostname()
     main_rank, hosts, stores = _roll_call(host, rank, local_rank, world)
     attempt = int(os.environ.get("UGRO_ATTEMPT", "0"))
@@ -100,8 +107,9 @@ def rejoin(info: RankInfo, membership: regroup.Membership, timeout_s: int) -> Ra
     rank = survivors.index(info.rank)
     hosts = tuple(info.hosts[r] for r in survivors)
     backend = "nccl" if info.device.type == "cuda" else "gloo"
-    _CONTROL.clear()
+    comm.forget_control_group()
     regroup.form(backend, store, info.attempt, membership.generation, rank, len(survivors), timeout_s, info.device)
+    comm.control_group()  # the new group's, made while every survivor is here
     main_rank = next(i for i, h in enumerate(hosts) if h == membership.main)
     stores = tuple((h, e) for h, e in info.stores if h in membership.hosts)
     return RankInfo(rank, info.local_rank, len(survivors), info.host, info.device, main_rank, hosts, info.attempt,
@@ -125,17 +133,9 @@ def wait_for_all(what: str, timeout_s: int) -> None:
         raise dist.DistError(f"waiting until {what}: {exc}") from exc
 
 
-_CONTROL: list[dist.ProcessGroup] = []
-
-
 def control_group() -> dist.ProcessGroup | None:
-    """The gloo group for monitored barriers and gathers of Python objects: the default group (None) on CPU, a gloo
-    group beside NCCL on GPUs."""
-    if dist.get_backend() == "gloo":
-        return None
-    if not _CONTROL:
-        _CONTROL.append(dist.new_group(backend="gloo"))
-    return _CONTROL[0]
+    """The gloo group for control traffic (train/comm.py decides which group carries what)."""
+    return comm.control_group()
 
 
 def shutdown() -> None:
@@ -201,6 +201,10 @@ class _HookState:
 
 def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: note that this rank's gradients are ready, then all-reduce them (averaged)."""
+    # On CUDA the lap records an event on this thread's current stream. DDP calls the hook from autograd's
+    # device thread, whose current stream is the one the backward kernels of this bucket were queued on, so the
+    # event completes exactly when the GPU has computed the bucket's gradients, before the all-reduce (queued
+    # next, on NCCL's stream) and its wait for slower ranks.
     state.clock.lap()
     hook = default_hooks.bf16_compress_hook if state.compress else default_hooks.allreduce_hook
     # A new membership fails the wait at once: DDP would otherwise wait for a lost peer until the timeout.
@@ -238,7 +242,7 @@ def broadcast_trainable(model: torch.nn.Module, info: RankInfo, src: int = 0) ->
     with torch.no_grad():
         for params in groups.values():
             flat = torch.cat([p.detach().reshape(-1) for p in params])
-            dist.broadcast(flat, src=src)
+            comm.broadcast(flat, src=src)
             for target, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
                 target.copy_(value.view_as(target))
             sent += flat.numel() * flat.element_size()
@@ -269,3 +273,32 @@ def wrap(
     )
     ddp.register_comm_hook(_HookState(clock or StepClock(), compress == "bf16"), _timed_allreduce)
     return ddp
+
+
+def check_gradients_agree(params: list[torch.nn.Parameter], info: RankInfo, backend: str) -> None:
+    """Collective, once, after the first synchronizing backward under DDP: every rank holds the same gradients.
+
+    DDP all-reduces them, so they agree to the bit. A library that silently turns DDP's synchronization off (unsloth
+    did, with one GPU per node) leaves each rank training its own adapter while every step looks normal; this
+    stops the run at its first step, naming the hosts, instead of handing over one rank's adapter as the whole's.
+    """
+    if not dist.is_initialized() or info.world_size == 1:
+        return
+    squares = comm.zeros((), torch.float64)
+    for param in params:
+        if param.grad is not None:
+            squares += param.grad.detach().double().pow(2).sum()
+    everyone = [comm.zeros((), torch.float64) for _ in range(info.world_size)]
+    regroup.wait(comm.all_gather(everyone, squares, async_op=True))
+    norms = [float(t) ** 0.5 for t in everyone]
+    if max(norms) - min(norms) <= 1e-6 * max(max(norms), 1e-12):
+        return
+    shown = ", ".join(
+        f"{host} (rank {rank}): {norm:.6g}" for rank, (host, norm) in enumerate(zip(info.hosts, norms, strict=True))
+    )
+    raise ConfigError(
+        f"model.backend: {backend}: after the first step's synchronizing backward the ranks' gradient norms differ "
+        f"({shown}): DDP did not all-reduce the gradients, and every host would train an adapter of its own. "
+        "unsloth has had a bug that turns DDP's synchronization off; set model.backend: hf in the job, or an "
+        "unsloth version without it."
+    )

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from train import checkpoint, distributed, evaluate, pipeline, regroup, stagemodel
+from train import checkpoint, comm, distributed, evaluate, pipeline, regroup, stagemodel
 from train.balance import Balancer
 from train.config import JobConfig
 from train.data import prompt_text
@@ -59,11 +59,13 @@ class DataParallel(_Engine):
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.batch_rank = info.rank  # the sampler's index of this rank's share
         self.ddp: torch.nn.Module = self.model
+        self.synchronized = False  # checked at the first step of each group (distributed.check_gradients_agree)
 
     def start(self, saved_plan: dict[str, Any] | None, src: int = 0) -> str:
         self.balancer = Balancer(self.job, self.info, saved_plan)
         compress = distributed.compression(self.job, self.info, self.model)
         self.ddp = distributed.wrap(self.model, self.info, self.balancer.clock, compress, src)
+        self.synchronized = False
         return f"data parallel, grad_compression={compress}"
 
     def regroup(self, info: RankInfo, src: int) -> str:
@@ -77,7 +79,11 @@ class DataParallel(_Engine):
         self.ddp.train()
 
     def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
-        return backward(self.ddp, micro_batches, self.info.device, self.balancer.clock)
+        result = backward(self.ddp, micro_batches, self.info.device, self.balancer.clock)
+        if not self.synchronized:  # the first step of this group: did DDP all-reduce the gradients?
+            distributed.check_gradients_agree(self.trainable, self.info, self.backend)
+            self.synchronized = True
+        return result
 
     def clip(self, max_norm: float) -> float:
         return clip(self.trainable, max_norm)
@@ -160,9 +166,10 @@ class Pipelined(_Engine):
         mine = list(range(self.where.replica, len(blocks), len(self.layout.replicas)))
         batches = [blocks.batch(mine[i : i + batch_size], self.info.device) for i in range(0, len(mine), batch_size)]
         summed, tokens = self.runner.loss(batches)
-        total = torch.tensor([summed, float(tokens)], dtype=torch.float64, device=self.info.device)  # NCCL: CUDA only
+        total = torch.tensor([summed, float(tokens)], dtype=torch.float64)
         if dist.is_initialized() and self.info.world_size > 1:
-            dist.all_reduce(total)
+            total = comm.tensor([summed, float(tokens)], torch.float64)
+            comm.all_reduce(total)
         self.model.train(was_training)
         count = int(total[1])
         return (float(total[0]) / count if count else math.nan), count

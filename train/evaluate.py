@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from train import regroup
+from train import comm, regroup
 from train.config import JobConfig
 from train.data import Blocks, prepare_eval, prompt_text
 from train.distributed import RankInfo
@@ -59,8 +59,8 @@ def loss(model: torch.nn.Module, held_out: HeldOut, info: RankInfo, batch_size: 
         total[0] += float(summed_loss(model, batch))
         total[1] += label_tokens(batch)
     if dist.is_available() and dist.is_initialized() and info.world_size > 1:
-        reduced = total.to(info.device)
-        regroup.wait(dist.all_reduce(reduced, async_op=True))  # a lost peer fails it at once, as in a step
+        reduced = total.to(comm.carrier())
+        regroup.wait(comm.all_reduce(reduced, async_op=True))  # a lost peer fails it at once, as in a step
         total = reduced.cpu()
     model.train(was_training)
     tokens = int(total[1])

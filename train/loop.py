@@ -204,7 +204,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
                 )
         if job.eval is not None and (done % job.eval.every == 0 or done == job.train.max_steps):
             held_out_loss(done)
-        stop = preempt.requested(info.device)  # collective when installed: every rank stops after this step
+        stop = preempt.requested()  # collective when installed: every rank stops after this step
         if done % job.checkpoint.every == 0 or done == job.train.max_steps or stop:
             extra = {"cluster_hash": job.cluster_hash(), "world_size": info.world_size, "plan": balancer.plan.to_dict()}
             saved = trainer.save(run_dir, done, optimizer, scheduler, extra)

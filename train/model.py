@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import torch
 
-from train import targets
+from train import devicecheck, targets
 from train.config import ConfigError, JobConfig, LoraConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -103,11 +103,14 @@ def load_base_hf(cfg: ModelConfig, base_dir: Path, device: torch.device, seed: i
         kwargs: dict[str, Any] = {"dtype": dtype, "device_map": {"": device.index if device.type == "cuda" else "cpu"}}
         if cfg.quantization == "4bit":
             kwargs["quantization_config"] = quantization_config(cfg, device)
-        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        with devicecheck.paused():
+            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.source: cannot load '{name}': {exc}") from None
     if cfg.quantization == "4bit" and device.type == "cpu":
         keep_4bit_trainable_on_cpu(model)
+    if devicecheck.installed():
+        model.to(device)  # the device checker's rank device (cpu:0): the weights are where a GPU rank has them
     return cast(torch.nn.Module, model)
 
 

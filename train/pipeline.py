@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from train import stagemodel
+from train import comm, stagemodel
 from train.step import StepClock, exchange, label_tokens, logits_loss
 from train.topology import Where
 
@@ -53,12 +53,12 @@ class StageRunner:
 
     def _recv(self, shape: tuple[int, ...], src: int) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
-        dist.recv(buffer, src=src)
+        comm.recv(buffer, src=src)
         return buffer
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         payload = tensor.detach().to(self.dtype).contiguous()
-        self.sends.append((dist.isend(payload, dst=dst), payload))  # the payload lives until the send is done
+        self.sends.append((comm.isend(payload, dst=dst), payload))  # the payload lives until the send is done
         self.sent_bytes += payload.numel() * payload.element_size()
 
     def _finish_sends(self) -> None:
@@ -144,7 +144,7 @@ class StageRunner:
         clock.end()
         clock.last_tokens = own
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(loss_sum)
+            comm.all_reduce(loss_sum)
         return float(loss_sum.item()) / max(total, 1), total
 
     @torch.no_grad()
@@ -173,14 +173,14 @@ class StageRunner:
         for _ in range(max_new_tokens):
             _, out = self.forward({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
             self._finish_sends()
-            message = torch.zeros(2, dtype=torch.long, device=ids.device)  # the rank's device: NCCL carries CUDA only
+            message = comm.zeros(2, torch.long)
             if self.where.last:
                 token = int(out[0, -1].argmax())
                 message[0], message[1] = token, int(token in stop_ids)
                 for rank in group[:-1]:
-                    dist.send(message, dst=rank)
+                    comm.send(message, dst=rank)
             else:
-                dist.recv(message, src=group[-1])
+                comm.recv(message, src=group[-1])
             token, stop = int(message[0]), bool(message[1])
             if stop:
                 break
@@ -225,18 +225,18 @@ class GradSync:
         for group, params in self.buckets:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1).float() for g in grads])
-            dist.all_reduce(flat, group=group)
+            comm.all_reduce(flat, group=group)
             for param, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
                 param.grad = value.view_as(param).to(param.dtype)
 
     def clip(self, max_norm: float) -> float:
         """Clip every gradient by the norm of the whole gradient (as clip_grad_norm_); return that norm."""
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        squares = comm.zeros((), torch.float64) if dist.is_initialized() else torch.zeros((), dtype=torch.float64)
         for param in self.lead:
             if param.grad is not None:
                 squares += param.grad.detach().double().pow(2).sum()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(squares)
+            comm.all_reduce(squares)
         norm = math.sqrt(float(squares))
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0 and math.isfinite(norm):

@@ -23,6 +23,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from train import comm
 from train.failure import Stopped
 from train.metrics import write_status
 
@@ -59,15 +60,15 @@ def install() -> bool:
     return _enabled
 
 
-def requested(device: torch.device) -> bool:
+def requested() -> bool:
     """Collective when installed (every rank must call it after the same step): whether any rank was asked."""
     if not _enabled:
         return False
     asked = _flag or (_stop_file is not None and os.path.exists(_stop_file))
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return asked
-    flag = torch.tensor([1 if asked else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    flag = comm.tensor([1 if asked else 0], torch.int32)
+    comm.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from train import failure
+from train import comm, failure
 
 log = logging.getLogger(__name__)
 
@@ -244,9 +244,10 @@ def abandonable(inner: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
     return inner if watch is None else watch.track(inner)
 
 
-def wait(work: dist.Work) -> None:
+def wait(work: dist.Work | None) -> None:
     """Wait for a collective started with ``async_op=True``; GroupLost if it fails or the group is declared broken."""
-    abandonable(work.get_future()).wait()
+    if work is not None:
+        abandonable(work.get_future()).wait()
 
 
 def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
@@ -255,14 +256,14 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
     ``group`` must be a gloo group (the default one on CPU; ``distributed.control_group()`` beside NCCL)."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     world = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    wait(dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group, async_op=True))
+    sizes = [comm.zeros(1, torch.int64, group) for _ in range(world)]
+    wait(comm.all_gather(sizes, comm.tensor([data.numel()], torch.int64, group), group, async_op=True))
     longest = max(int(size) for size in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded = comm.zeros(longest, torch.uint8, group)
     padded[: data.numel()] = data
-    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    wait(dist.all_gather(gathered, padded, group=group, async_op=True))
-    return [pickle.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(gathered, sizes, strict=True)]
+    gathered = [comm.zeros(longest, torch.uint8, group) for _ in range(world)]
+    wait(comm.all_gather(gathered, padded, group, async_op=True))
+    return [pickle.loads(t[: int(n)].cpu().numpy().tobytes()) for t, n in zip(gathered, sizes, strict=True)]
 
 
 def broken(exc: BaseException) -> bool:
@@ -316,10 +317,17 @@ def retire(thing: Any) -> None:
 
 def form(backend: str, store: dist.Store, attempt: int, generation: int, rank: int, world: int, timeout_s: float,
          device: torch.device) -> None:  # fmt: skip
-    """Leave the broken default group (without waiting for what is under way in it) and form the new one."""
+    """Leave the broken default group (without waiting for what is under way in it) and form the new one.
+
+    gloo: destroying the group returns at once, a collective pending on the lost peer fails with it. NCCL: such a
+    collective is a kernel on the GPU waiting for a peer that is gone; it holds its stream, and destroying the
+    group would wait for it. Aborting every communicator (``leave``) ends those kernels with an error. The new
+    group is formed with ``device_id``: NCCL connects its communicator now, on this rank's GPU, not at the
+    first collective. The model, the optimizer state and the gradients stay on the GPU throughout: they belong
+    to the process, not to the group."""
     if dist.is_initialized():
         retire(dist.group.WORLD)
-        dist.destroy_process_group()
+        leave(backend)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         kwargs["device_id"] = device
@@ -327,13 +335,21 @@ def form(backend: str, store: dist.Store, attempt: int, generation: int, rank: i
     dist.init_process_group(store=prefixed, rank=rank, world_size=world, **kwargs)
 
 
-def agree_step(done: int, device: torch.device) -> tuple[int, int, int]:
+def leave(backend: str) -> str:
+    """Leave every process group of the broken membership; how (``destroyed`` or ``aborted``)."""
+    if backend == dist.Backend.NCCL:
+        dist.distributed_c10d._abort_process_group()  # every group, the control and pipeline ones too
+        return "aborted"
+    dist.destroy_process_group()
+    return "destroyed"
+
+
+def agree_step(done: int) -> tuple[int, int, int]:
     """Collective over the new group: the step to continue from (the newest any survivor completed), the lowest
-    rank that completed it (whose state the others take), and how many ranks had not. ``device`` is the rank's:
-    the new group's backend carries it (NCCL: CUDA tensors only)."""
-    mine = torch.tensor([done, dist.get_rank()], dtype=torch.int64, device=device)
+    rank that completed it (whose state the others take), and how many ranks had not."""
+    mine = comm.tensor([done, dist.get_rank()], torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
+    comm.all_gather(everyone, mine)
     target = max(int(t[0]) for t in everyone)
     source = min(int(t[1]) for t in everyone if int(t[0]) == target)
     behind = sum(1 for t in everyone if int(t[0]) < target)

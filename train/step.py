@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, Self, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from train import regroup
+from train import comm, regroup
 from train.data import IGNORE
 
 
@@ -51,10 +51,22 @@ def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        work = dist.all_reduce(value, op=dist.ReduceOp.SUM, async_op=True)
-        if work is not None:
-            regroup.wait(work)  # a lost peer fails it at once (train/regroup.py), not at the collective timeout
+        # A lost peer fails it at once (train/regroup.py), not at the collective timeout.
+        regroup.wait(comm.all_reduce(value, async_op=True))
     return value
+
+
+class Event(Protocol):
+    """A mark on a device's timeline: the part of ``torch.cuda.Event(enable_timing=True)`` the clock uses."""
+
+    def record(self) -> None: ...  # on the current stream
+    def query(self) -> bool: ...  # complete: the stream has reached it
+    def synchronize(self) -> None: ...  # wait (the host) until it is complete
+    def elapsed_time(self, end_event: Self, /) -> float: ...  # milliseconds from this event to ``end_event``
+
+
+def cuda_event() -> Event:
+    return torch.cuda.Event(enable_timing=True)
 
 
 @dataclass
@@ -64,7 +76,16 @@ class StepClock:
     Time spent waiting for slower ranks in the gradient all-reduce is not counted, so the numbers
     say how fast each rank is, not how long the slowest one made it wait. ``lap()`` ends a stretch
     of compute: after each ``no_sync`` micro-batch, and from DDP's communication hook when a
-    gradient bucket is ready (train/distributed.py).
+    gradient bucket is ready (train/distributed.py). The step's time runs from ``begin()`` to the
+    last ``lap()`` or ``waited()`` before ``end()``.
+
+    Where to read the time: on CPU (``events`` None) host timestamps. On CUDA (``StepClock.for_device``)
+    kernels run asynchronously and a host timestamp only says when the work was queued, so each mark
+    also records an event on the current stream (``events``: a factory of ``torch.cuda.Event``s) and the
+    time is the GPU's, from the step's first event to its last. Nothing waits for the GPU during the
+    step: ``last_compute_s`` resolves the ended step's events when read, at the next step's ``exchange()``,
+    when the step's closing host sync (``loss.item()``) has long passed them; an event not complete yet
+    (which that sync rules out) is waited for alone (``Event.synchronize``), never the whole device.
 
     ``device_s_per_token`` is for the benchmark only: the rank then emulates a device that needs
     that many seconds per token. It computes each micro-batch for real, then sleeps until the
@@ -73,16 +94,47 @@ class StepClock:
     """
 
     device_s_per_token: float = 0.0
-    last_compute_s: float = 0.0  # the previous step's, shared with everyone in the next step's all-reduce
+    events: Callable[[], Event] | None = None  # None: host timestamps; else device events (see above)
+    last_host_s: float = 0.0  # the previous step's compute time by host timestamps (on CPU: the time)
     last_tokens: int = 0  # this rank's label tokens in the previous step, shared alongside its time
     gathered: list[float] = field(default_factory=list)  # every rank's previous-step compute time
     gathered_tokens: list[float] = field(default_factory=list)  # every rank's previous-step label tokens
     _start: float = 0.0
     _mark: float = 0.0
     _pending_tokens: float = 0.0
+    _first: Event | None = None  # the running step's first and last device events
+    _last: Event | None = None
+    _ended: tuple[Event, Event] | None = None  # the ended step's, until ``last_compute_s`` resolves them
+    _device_s: float = 0.0
+
+    @classmethod
+    def for_device(cls, device: torch.device, device_s_per_token: float = 0.0) -> StepClock:
+        """The clock of a rank that trains on ``device``: the GPU's time on CUDA, host time elsewhere."""
+        return cls(device_s_per_token, events=cuda_event if device.type == "cuda" else None)
+
+    @property
+    def last_compute_s(self) -> float:
+        """The previous step's compute time, which the next step's all-reduce shares with everyone."""
+        if self.events is None:
+            return self.last_host_s
+        if self._ended is not None:
+            first, last = self._ended
+            for event in (first, last):  # complete by now (the step ended with a host sync); if not, wait for it
+                if not event.query():
+                    event.synchronize()
+            self._device_s, self._ended = first.elapsed_time(last) / 1000, None
+        return self._device_s
+
+    def _device_mark(self) -> Event | None:
+        if self.events is None:
+            return None
+        event = self.events()
+        event.record()
+        return event
 
     def begin(self) -> None:
         self._start = self._mark = time.perf_counter()
+        self._first = self._last = self._device_mark()
         self._pending_tokens = 0
 
     def work(self, tokens: float) -> None:
@@ -92,6 +144,7 @@ class StepClock:
     def waited(self) -> None:
         """The time since the last lap went to waiting for a peer (a pipeline stage's input), not to compute."""
         self._mark = time.perf_counter()
+        self._last = self._device_mark()
 
     def lap(self) -> None:
         if self.device_s_per_token > 0 and self._pending_tokens:
@@ -99,9 +152,12 @@ class StepClock:
             time.sleep(max(0.0, self._mark + device_s - time.perf_counter()))
             self._pending_tokens = 0
         self._mark = time.perf_counter()
+        self._last = self._device_mark()
 
     def end(self) -> None:
-        self.last_compute_s = self._mark - self._start
+        self.last_host_s = self._mark - self._start
+        if self._first is not None and self._last is not None:
+            self._ended = (self._first, self._last)
 
 
 def exchange(counted_tokens: int, clock: StepClock, device: torch.device) -> int:
@@ -110,7 +166,7 @@ def exchange(counted_tokens: int, clock: StepClock, device: torch.device) -> int
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
     rank = dist.get_rank() if initialized else 0
-    stats = torch.zeros(1 + 2 * world, dtype=torch.float64, device=device)
+    stats = comm.zeros(1 + 2 * world, torch.float64)
     stats[0] = counted_tokens
     stats[1 + rank] = clock.last_compute_s
     stats[1 + world + rank] = clock.last_tokens

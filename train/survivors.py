@@ -59,7 +59,7 @@ def go_on(
     beat = regroup.heartbeat()
     if beat is not None:
         beat.keep(membership.hosts)
-    target, source, behind = regroup.agree_step(done, new.device)
+    target, source, behind = regroup.agree_step(done)
     if behind:
         regroup.share_state(optimizer, scheduler, source)
     how = trainer.regroup(new, source)

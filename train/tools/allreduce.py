@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from train import comm
+
 MARK = "UGRO_ALLREDUCE"
 
 
@@ -60,7 +62,7 @@ def _timed(tensor: torch.Tensor, iters: int, cuda: bool) -> list[float]:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        dist.all_reduce(tensor)
+        comm.all_reduce(tensor)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         world = dist.get_world_size()
         check = torch.full((1,), float(dist.get_rank() + 1), device=device)
-        dist.all_reduce(check)
+        comm.all_reduce(check)
         ok = int(check.item()) == world * (world + 1) // 2  # every rank's value arrived, once
         small = torch.ones(1, device=device)
         _timed(small, 3, cuda)  # warm-up: connections, NCCL rings
