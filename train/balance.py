@@ -72,7 +72,7 @@ class Balancer:
                 min(min(rank_caps[r] for r in group), max(1, share // len(group)))
                 for group, share in zip(self.groups, shares, strict=True)
             )
-        self.clock = StepClock(device_s_per_token=emulated)
+        self.clock = StepClock.for_device(info.device, device_s_per_token=emulated)
         self.plan = self._start(job, info, caps, saved, speeds)
         self._ran_with = self.plan  # the plan of the step whose times arrive next
         auto = job.balance == "auto" and len(self.groups) > 1
