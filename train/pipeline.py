@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from train import comm, stagemodel
+from train import comm, headloss, stagemodel
 from train.step import StepClock, exchange, label_tokens, logits_loss
 from train.topology import Where
 
@@ -50,6 +50,11 @@ class StageRunner:
     sent_bytes: int = 0  # hidden states and their gradients this stage has sent
     step_bytes: int = 0  # of that, what the training steps sent
     steps: int = 0  # training steps done in this process
+    head: torch.nn.Module | None = field(init=False, default=None)  # the last stage's, when the loss skips logits
+
+    def __post_init__(self) -> None:
+        if self.where.last:
+            self.head = headloss.head(self.model)
 
     def _recv(self, shape: tuple[int, ...], src: int) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -67,9 +72,12 @@ class StageRunner:
         self.sends.clear()
 
     def forward(
-        self, batch: dict[str, torch.Tensor], clock: StepClock | None = None
+        self, batch: dict[str, torch.Tensor], clock: StepClock | None = None, logits: bool = False
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Receive (or embed) one micro-batch, run the stage; (its input when it needs a gradient, output).
+
+        The last stage's output is its final hidden states, which ``summed_loss`` takes the loss from, or the
+        logits where ``logits`` asks for them or the loss needs them (``head`` None: train/headloss.py).
 
         ``clock`` (training) times the compute; under ``make bench`` it also makes the stage last as long as its
         emulated device would (a third of the micro-batch's device time forward, two thirds backward), before
@@ -85,13 +93,21 @@ class StageRunner:
             clock.waited()  # the emulated device starts once the input is here
             clock.work(batch["input_ids"].numel() / 3)
         feed = batch["input_ids"] if inputs is None else inputs
-        out = stagemodel.forward(self.model, feed, batch["attention_mask"], where.first, where.last)
+        out = stagemodel.forward(
+            self.model, feed, batch["attention_mask"], where.first, where.last, logits or self.head is None
+        )
         if clock is not None:
             clock.lap()
         if not where.last:
             assert where.next is not None
             self._send(out, where.next)
         return inputs, out
+
+    def summed_loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's summed token loss from its ``forward`` output (hidden states, or logits)."""
+        if self.head is None:
+            return logits_loss(out, labels)
+        return headloss.summed_loss(self.head, out, labels)
 
     def backward(self, inputs: torch.Tensor | None, out: torch.Tensor, clock: StepClock, tokens: int) -> None:
         """Backpropagate one micro-batch (``out`` is the scaled loss on the last stage) and pass the gradient back."""
@@ -122,7 +138,7 @@ class StageRunner:
             nonlocal loss_sum
             inputs, out = self.forward(batch, clock)
             if self.where.last:
-                loss = logits_loss(out, batch["labels"])
+                loss = self.summed_loss(out, batch["labels"])
                 loss_sum += loss.detach().double()
                 out = loss * scale
             pending.append((inputs, out, batch["input_ids"].numel()))
@@ -154,7 +170,7 @@ class StageRunner:
         for batch in batches:
             _, out = self.forward(batch)
             if self.where.last:
-                summed += float(logits_loss(out, batch["labels"]))
+                summed += float(self.summed_loss(out, batch["labels"]))
                 tokens += label_tokens(batch)
         self._finish_sends()
         return summed, tokens
@@ -171,7 +187,7 @@ class StageRunner:
         ids = prompt
         new: list[int] = []
         for _ in range(max_new_tokens):
-            _, out = self.forward({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+            _, out = self.forward({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, logits=True)
             self._finish_sends()
             message = comm.zeros(2, torch.long)
             if self.where.last:

@@ -189,10 +189,13 @@ def seed_lora(model: torch.nn.Module, seed: int, start: int = 0) -> None:
                 param.copy_(value.to(param.dtype))
 
 
-def forward(model: Any, inputs: torch.Tensor, attention_mask: torch.Tensor, first: bool, last: bool) -> torch.Tensor:
-    """Token ids (first stage) or hidden states in; hidden states out, or logits from the last stage."""
+def forward(
+    model: Any, inputs: torch.Tensor, attention_mask: torch.Tensor, first: bool, last: bool, logits: bool = True
+) -> torch.Tensor:
+    """Token ids (first stage) or hidden states in; hidden states out, or logits from the last stage (its final
+    hidden states, the head's input, with ``logits=False``: train/headloss.py takes the loss from them)."""
     causal_lm = model.get_base_model()
     feed = {"input_ids": inputs} if first else {"inputs_embeds": inputs}
-    if last:
+    if last and logits:
         return causal_lm(**feed, attention_mask=attention_mask, use_cache=False).logits  # type: ignore[no-any-return]
     return causal_lm.model(**feed, attention_mask=attention_mask, use_cache=False).last_hidden_state  # type: ignore[no-any-return]

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from train import comm, regroup
+from train import comm, headloss, regroup
 from train.data import IGNORE
 
 
@@ -35,9 +35,19 @@ def label_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 
 def summed_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy over the batch's label tokens, in fp32."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return logits_loss(logits, batch["labels"])
+    """Sum (not mean) of next-token cross-entropy over the batch's label tokens, in fp32.
+
+    From the final hidden states and the head's weight, never the whole logits (train/headloss.py), unless the
+    model's logits are more than its head's output; the model is still called whole, so DDP sees its forward."""
+    head = headloss.head(model)
+    if head is None:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return logits_loss(logits, batch["labels"])
+    with headloss.head_inputs(head) as seen:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    if not seen:  # the model did not call its head module (it used the weight itself): its logits are whole
+        return logits_loss(out.logits, batch["labels"])
+    return headloss.summed_loss(head, seen[-1], batch["labels"])
 
 
 def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
