@@ -174,11 +174,14 @@ class _ChunkedLoss(torch.autograd.Function):
             logits = (h @ weight.T).float()  # as the head's output, upcast (the old path's .float())
             if low is not None and up is not None:
                 logits += low[part].float() @ up.float().T
-            lse = torch.logsumexp(logits, dim=1)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum(dtype=torch.float64)
+            top = logits.amax(dim=1, keepdim=True)
+            picked = logits.gather(1, t[:, None])
+            probs = logits.sub_(top).exp_()  # in place: a chunk's logits exist once
+            sums = probs.sum(dim=1, keepdim=True)
+            total += (sums.log() + top - picked).sum(dtype=torch.float64)  # log-sum-exp minus the label's logit
             if not any(need):
                 continue
-            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+            probs.div_(sums)  # the softmax
             probs[torch.arange(t.shape[0], device=t.device), t] -= 1.0  # d loss / d logits
             g = probs.to(weight.dtype)
             if grad_rows is not None:
