@@ -13,7 +13,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: role-docs export chat train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-launch bench-rank-start bench-4bit bench-pipeline bench-pipeline-cluster
+.PHONY: role-docs export chat train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-launch bench-rank-start bench-4bit bench-headloss bench-pipeline bench-pipeline-cluster
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
@@ -29,6 +29,7 @@ help:
 	@echo "make bench-exporter  the node exporter's CPU cost at one scrape every 5 s"
 	@echo "make bench-rank-start  one host's CPU to start a rank: torchrun's way vs train.launcher's (ranks forked where there is no GPU)"
 	@echo "make bench-4bit      the default job in 4-bit QLoRA against the same job unquantized: held-out loss by step"
+	@echo "make bench-headloss  the loss from full logits vs from hidden states (a 151,936-token head): memory, time, differences"
 	@echo "make testbed-up N=3 / make testbed-down   a test cluster of N hosts on this machine (root)"
 	@echo "make export [JOB_ID=...] [FORMAT=gguf]   the run's model merged into its base (runs/<job-id>/merged), or as GGUF + Ollama Modelfile (runs/<job-id>/gguf)"
 	@echo "make chat [JOB_ID=...]     talk to a run's model in the terminal (/base, /tuned, /reset, /quit)"
@@ -193,6 +194,12 @@ bench-rank-start: venv
 # training loss side by side. BENCH_ARGS="--variants none-float32,4bit-float32,4bit-bfloat16 --steps 24".
 bench-4bit: venv
 	$(PY) -m bench.quantization $(BENCH_ARGS)
+
+# The loss of a Qwen2.5-sized head (vocabulary 151,936, seq 1024, micro-batch 4, fp32) from its full logits against
+# the loss from hidden states (train/headloss.py), each path in its own process: peak memory, time, differences.
+# BENCH_ARGS="--head lora" for LoRA (r 16) on the head; the last line printed is a JSON object.
+bench-headloss: venv
+	$(PY) -m bench.headloss $(BENCH_ARGS)
 
 # The node exporter's CPU cost at one scrape every 5 s (a real exporter process, real HTTP scrapes).
 bench-exporter: venv
