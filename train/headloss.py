@@ -175,7 +175,7 @@ class _ChunkedLoss(torch.autograd.Function):
             h, t = rows[part], wanted[part]
             logits = (h @ weight.T).float()  # as the head's output, upcast (the old path's .float())
             if low is not None and up is not None:
-                logits += low[part].float() @ up.float().T
+                logits.addmm_(low[part].float(), up.float().T)  # in place: no second chunk of logits
             top = logits.amax(dim=1, keepdim=True)
             picked = logits.gather(1, t[:, None])
             probs = logits.sub_(top).exp_()  # in place: a chunk's logits exist once
