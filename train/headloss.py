@@ -4,13 +4,14 @@
 2.3 GiB in fp32, and the loss on it (upcast, log-softmax, its gradient) holds a few of those at once. Here the
 loss is computed from the hidden states the head reads, in chunks of label tokens (``CHUNK_BYTES`` of fp32
 logits each, so memory no longer grows with batch x seq x vocab), and only at positions that have a label
-(prompt and padding positions cost nothing). Each chunk's logits are computed in fp32 as
-the head would compute them (its base weight, plus ``scaling * lora_B(lora_A(dropout(h)))`` when peft's LoRA is
-on the head), turned into the loss and, when gradients are wanted, into the gradients at once, like
-torch's ``F.linear_cross_entropy`` chunked path does; unlike it, the gradient of a frozen base weight (the usual
-case, a LoRA'd or tied head included) is never computed, and the loss is summed in fp64, so a bf16 model still
-logs an exact sum. The result equals ``cross_entropy(logits.float(), labels, reduction="sum")`` of today's
-path (train/step.py ``logits_loss``) to fp32 rounding: tests/test_headloss.py, bench/headloss.py.
+(prompt and padding positions cost nothing). Each chunk's logits are those the head computes (its weight in the
+model's dtype, upcast to fp32, plus ``scaling * lora_B(lora_A(dropout(h)))`` when peft's LoRA is on the head),
+turned into the loss and, when gradients are wanted, into the gradients at once, as torch's chunked
+``F.linear_cross_entropy`` does. Not that op itself: a LoRA'd head would have to pass it [W, B] as one weight, whose
+whole gradient (vocab x hidden) it would compute and hold although W is frozen, and with a bf16 model it returns
+the sum in bf16; here a frozen weight gets no gradient and the sum is taken in fp64. The result equals today's
+``cross_entropy(logits.float(), labels, reduction="sum")`` (train/step.py ``logits_loss``) to fp32 rounding:
+tests/test_headloss.py, bench/headloss.py.
 
 Models whose logits are not a plain linear of the hidden states (soft-capped or scaled logits, a head with a
 bias, a head that is neither ``nn.Linear`` nor peft's LoRA ``Linear`` around one) keep the logits path:
@@ -34,7 +35,7 @@ from train.data import IGNORE
 log = logging.getLogger(__name__)
 
 # One chunk's fp32 logits: 441 label tokens at a 151,936-token vocabulary. Every chunk reads the whole head weight
-# twice (logits, gradient): at 128 MiB the loss of bench/headloss.py took 1.3x the CPU time it takes at 256.
+# twice (logits, gradient): at 128 MiB the loss at bench/headloss.py's shape took 1.3x the CPU time it takes at 256.
 CHUNK_BYTES = 256 * 2**20
 
 # Config keys of models whose logits are transformed after the head (Gemma 2/3, Cohere, Granite), and the value
