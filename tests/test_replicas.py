@@ -1,15 +1,28 @@
 """The controller's checkpoint copies (ugro/run/replicas.py) on the test cluster: a copy from a host whose link was
-cut is given up as soon as the controller says that host left the run, instead of waiting for SSH's timeouts."""
+cut is given up as soon as the controller says that host left the run, instead of waiting for SSH's timeouts; the
+newest copy is hashed once per checkpoint; a copy that fails with an error does not end the supervision."""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+from helpers import small_job
+from rich.console import Console
+
 from testbed import cluster as tb
+from train.config import JobConfig
+from ugro.hosts.inventory import Cluster
+from ugro.module_utils import ugro_checkpoints
+from ugro.run.records import RunRecord
 from ugro.run.replicas import Replicator
+from ugro.run.supervisor import Outcome, Supervisor
 
 
 def test_a_copy_from_a_host_whose_link_was_cut_is_given_up_when_the_host_leaves(
@@ -30,3 +43,59 @@ def test_a_copy_from_a_host_whose_link_was_cut_is_given_up_when_the_host_leaves(
     # SSH alone would hold it for its ConnectTimeout (30 s) or keepalives (minutes).
     assert waited < 10, f"the copy took {waited:.1f} s to give up"
     assert not list((run_dir / "checkpoints").glob(".incoming-*")), "the given-up copy left files behind"
+
+
+def _checkpoint(run_dir: Path, step: int, payload: bytes) -> Path:
+    folder = run_dir / "checkpoints" / f"step-{step:06d}"
+    folder.mkdir(parents=True)
+    (folder / "state.pt").write_bytes(payload)
+    digest = hashlib.sha256(payload).hexdigest()
+    (folder / ugro_checkpoints.MANIFEST).write_text(json.dumps({"files": {"state.pt": digest}}))
+    return folder
+
+
+def test_the_newest_checkpoint_is_hashed_once_per_checkpoint_not_once_per_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "runs" / "hashed-20261127-000000"
+    _checkpoint(run_dir, 5, b"older")
+    newest = _checkpoint(run_dir, 10, b"x" * 4096)
+    hashed: list[str] = []
+    real = ugro_checkpoints.sha256_file
+
+    def counted(path: Path) -> str:
+        hashed.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(ugro_checkpoints, "sha256_file", counted)
+    copies = Replicator(tmp_path / "inventory.yml", run_dir, tmp_path / "ansible", keep_last=3, remote=True)
+    for _ in range(5):  # five status polls
+        found = copies.local_newest()
+        assert found is not None and found["step"] == 10
+    assert hashed == ["state.pt"], hashed
+    (newest / "state.pt").write_bytes(b"y" * 10)  # changed on disk: checked again, and found broken
+    found = copies.local_newest()
+    assert found is not None and found["step"] == 5, found
+
+
+class _FullDisk(Replicator):
+    def fetch(self, host: str, name: str, cancelled: Any = None) -> str | None:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_copy_that_fails_with_an_error_is_one_line_in_the_record_and_supervision_goes_on(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "full-disk-20261127-000000"
+    out = io.StringIO()
+    supervisor = Supervisor(
+        JobConfig.model_validate(small_job()), Cluster(["h1", "h2"], "h1", remote=True), tmp_path / "inventory.yml",
+        run_dir, {}, Console(file=out, width=200), poll_s=1.0,
+    )  # fmt: skip
+    supervisor.copies = _FullDisk(tmp_path / "inventory.yml", run_dir, tmp_path / "ansible", keep_last=3, remote=True)
+    supervisor._replicate("h1", {"last_checkpoint": "checkpoints/step-000010"}, ["h1", "h2"])
+    supervisor._copies_settled(["h1", "h2"])  # a fault being handled waits for the copy: it must not raise
+    line = "checkpoint step-000010: the copy from h1 failed: OSError: [Errno 28] No space left on device"
+    assert supervisor.copy_failures == [line]
+    assert line in out.getvalue()
+    record = Outcome("finished", {}, ["h1", "h2"], "h1", copy_failures=supervisor.copy_failures).record()
+    record.write(run_dir)
+    assert RunRecord.read(run_dir) is not None and RunRecord.read(run_dir).copy_failures == [line]  # type: ignore[union-attr]

@@ -98,6 +98,7 @@ class RunRecord:
     state: str = "finished"
     cause: Cause | None = None
     restarts: list[Restart] = field(default_factory=list)
+    copy_failures: list[str] = field(default_factory=list)  # checkpoint copies to the controller that failed
 
     def write(self, run_dir: Path) -> None:
         values: dict[str, Any] = {
@@ -105,6 +106,8 @@ class RunRecord:
             "hosts": self.hosts,
             "rendezvous": self.rendezvous,
         }
+        if self.copy_failures:
+            values["copy_failures"] = self.copy_failures
         if self.state != "finished":  # a finished run's state is the ranks' own ("finished")
             values["state"] = self.state
         if self.cause is not None:
@@ -129,4 +132,5 @@ class RunRecord:
             state=str(data.get("state") or "finished"),
             cause=Cause.from_dict(cause) if isinstance(cause, dict) else None,
             restarts=[Restart.from_dict(r) for r in data.get("restarts") or [] if isinstance(r, dict)],
+            copy_failures=[str(line) for line in data.get("copy_failures") or []],
         )

@@ -14,7 +14,7 @@ import shutil
 import tarfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,11 @@ from ugro.module_utils import ugro_checkpoints
 RECORDS = ("metrics.jsonl", "eval.jsonl", "run.json")
 
 
+def _file_stats(path: Path) -> tuple[tuple[str, int, int], ...]:
+    stats = ((f.relative_to(path).as_posix(), f.stat()) for f in sorted(path.rglob("*")) if f.is_file())
+    return tuple((rel, st.st_size, st.st_mtime_ns) for rel, st in stats)
+
+
 @dataclass
 class Replicator:
     inventory: Path
@@ -32,6 +37,10 @@ class Replicator:
     private_dir: Path
     keep_last: int
     remote: bool  # False where the hosts write into the controller's own checkout (nothing to copy)
+    # Checkpoint name -> the sizes and times of its files when they last passed their checksums: a status poll
+    # asks for the newest intact checkpoint every few seconds, and hashing an 8B adapter's optimizer state each
+    # time costs hundreds of MB read per poll.
+    _verified: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict, init=False, repr=False)
 
     def _play(
         self, action: str, hosts: list[str], main: str, cancelled: Callable[[], bool] | None = None, **extra: Any
@@ -45,7 +54,16 @@ class Replicator:
         )
 
     def local_newest(self) -> dict[str, Any] | None:
-        return ugro_checkpoints.newest_intact(self.run_dir)
+        """{name, step, path} of the controller's newest intact checkpoint, or None. Each checkpoint's files are
+        hashed once, and again only when one of them changed (its size or modification time)."""
+        for path in reversed(ugro_checkpoints.listed(self.run_dir)):
+            seen = _file_stats(path)
+            if self._verified.get(path.name) != seen:
+                if ugro_checkpoints.problem(path) is not None:
+                    continue
+                self._verified[path.name] = seen
+            return {"name": path.name, "step": ugro_checkpoints.step_of(path), "path": str(path)}
+        return None
 
     def fetch(self, host: str, name: str, cancelled: Callable[[], bool] | None = None) -> str | None:
         """Copy checkpoint ``name`` (and the run's records) from ``host`` to the controller; None when the copy

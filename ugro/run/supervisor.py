@@ -47,9 +47,10 @@ class Outcome:
     main: str
     cause: Cause | None = None
     restarts: list[Restart] = field(default_factory=list)
+    copy_failures: list[str] = field(default_factory=list)
 
     def record(self) -> RunRecord:
-        return RunRecord(self.hosts, self.main, self.state, self.cause, self.restarts)
+        return RunRecord(self.hosts, self.main, self.state, self.cause, self.restarts, self.copy_failures)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Supervisor:
             self.inventory, self.run_dir, self.private / "replicas", self.job.checkpoint.keep_last, self.cluster.remote
         )
         self.restarts: list[Restart] = []
+        self.copy_failures: list[str] = []  # checkpoint copies that failed with an error: the run's record keeps them
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ugro-checkpoint-copy")
         self._copying: Future[None] | None = None
         self._copy_hosts: set[str] = set()  # the hosts the copy under way talks to now
@@ -128,7 +130,17 @@ class Supervisor:
             self._copying = self._copier.submit(self._copy, main, name, hosts)
 
     def _copy(self, main: str, name: str, hosts: list[str]) -> None:
-        """Fetch checkpoint ``name`` from the main host to the controller, then push it to the replicas."""
+        """Fetch checkpoint ``name`` from the main host to the controller, then push it to the replicas. A copy that
+        fails (the controller's disk full, a broken archive) is one line on the console and in the run's record;
+        supervision goes on, and the next checkpoint is copied as usual."""
+        try:
+            self._copy_unguarded(main, name, hosts)
+        except Exception as exc:  # a background copy must never end the supervision of the run
+            line = f"checkpoint {name}: the copy from {main} failed: {type(exc).__name__}: {exc}"
+            self.copy_failures.append(line)
+            self.console.print(f"[yellow]{line}[/]", highlight=False)
+
+    def _copy_unguarded(self, main: str, name: str, hosts: list[str]) -> None:
         why = self.copies.fetch(main, name, self._copy_given_up)
         if why is not None:
             self.console.print(f"[yellow]checkpoint {name} not copied to the controller yet:[/] {why}", highlight=False)
@@ -242,7 +254,8 @@ class Supervisor:
                     self._copies_settled(hosts)
                     if generation:  # the survivors' torchrun agents wait for the lost host's at their exit barrier
                         self._stop([h for h in hosts if statuses.get(h, {}).get("pids")], main)
-                    return Outcome(verdict, statuses, hosts, main, restarts=self.restarts)
+                    return Outcome(verdict, statuses, hosts, main, restarts=self.restarts,
+                                   copy_failures=self.copy_failures)  # fmt: skip
                 unreachable = watch.unreachable(polls=1)
                 cause = recovery.root_cause(statuses, hosts, unreachable) or Cause(
                     "error", "a host failed without a recorded cause", hosts[0]
@@ -288,7 +301,8 @@ class Supervisor:
                 )
             if problem is not None:
                 self.console.print(f"[bold red]not restarting:[/] {problem}", highlight=False)
-                return Outcome("failed", statuses, hosts, main, cause=cause, restarts=self.restarts)
+                return Outcome("failed", statuses, hosts, main, cause=cause, restarts=self.restarts,
+                               copy_failures=self.copy_failures)  # fmt: skip
             new_main = recovery.rendezvous_for(candidates, self.cluster.rendezvous)
             # The main host keeps its own checkpoints; a new one gets the newest intact copy from wherever it is.
             step = last_checkpoint if new_main == main else self.copies.place(candidates, new_main)[0]
