@@ -483,7 +483,7 @@ def test_exporters_prometheus_and_dashboard_during_a_job(
         assert seen["answered_since"]["tb1"] >= 2 and seen["answered_since"]["tb2"] >= 2, seen
         assert seen["steps_moved"] == {"tb1": True, "tb2": True}, seen
         assert seen["exited"]
-        # tb3's exporter is stopped: the poll asks tb3 through Ansible, says so once, and keeps to Ansible for it.
+        # tb3's exporter is stopped: the poll asks tb3 through Ansible, says so once, and keeps to Ansible for a while.
         states = poll()
         assert poll.ran_playbook and states["tb3"]["state"] == "running" and states["tb3"]["pids"], states["tb3"]
         assert len(notes) == 1 and "on tb3 comes through Ansible" in notes[0] and "ConnectError" in notes[0], notes

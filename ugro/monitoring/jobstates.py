@@ -5,12 +5,16 @@ playbook's fact module returns, read from the same files by the same code. Over 
 controller and the hosts milliseconds; through Ansible it costs ~3 CPU-s of the controller and a Python start on
 every host (docs/results.md, "Recovery"). The controller takes an exporter's answer only where it runs the
 controller's own ``ugro_jobstate.py`` (the answer carries its hash) and names the host asked; every other host is
-polled through Ansible (ugro/run/follow.py), and a host whose exporter failed while Ansible reached it is not asked
-over HTTP again in this run.
+polled through Ansible (ugro/run/follow.py). A host whose exporter failed while Ansible reached it is asked through
+Ansible for a while, then over HTTP again: after ``FIRST_RETRY_S``, then twice as long after every further failure,
+at most ``LAST_RETRY_S`` (one slow answer while its ranks start must not cost a playbook a poll for the whole run).
 """
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,22 +24,30 @@ from ugro.module_utils import ugro_jobstate
 from ugro.monitoring.monitor import Target
 
 TIMEOUT_S = 1.0  # an exporter on the LAN answers in milliseconds; a host that does not is asked through Ansible
+FIRST_RETRY_S = 30.0
+LAST_RETRY_S = 600.0
 
 
 class ExporterStates:
     """The job's state on each host of ``targets`` from its exporter."""
 
-    def __init__(self, targets: list[Target], job_id: str, timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(
+        self, targets: list[Target], job_id: str, timeout_s: float = TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
         self.targets = {t.host: t for t in targets}
         self.job_id = job_id
         self.timeout_s = timeout_s
         self.digest = ugro_jobstate.digest()
-        self.given_up: dict[str, str] = {}  # host -> why it is asked through Ansible for the rest of the run
+        self.clock = clock
+        self.given_up: dict[str, str] = {}  # host -> why it is asked through Ansible now
+        self._retry: dict[str, tuple[float, float]] = {}  # host -> (when to ask its exporter again, the wait before)
 
     def read(self, hosts: list[str], main: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
         """The states of those of ``hosts`` whose exporters answered, read at once (``main``: the host that keeps the
         run), and why each other host asked gave none (a host given up on is not asked)."""
-        asked = [h for h in hosts if h in self.targets and h not in self.given_up]
+        now = self.clock()
+        asked = [h for h in hosts if h in self.targets and (h not in self.given_up or now >= self._retry[h][0])]
         if not asked:
             return {}, {}
         with (
@@ -44,11 +56,20 @@ class ExporterStates:
         ):
             answers = dict(zip(asked, pool.map(lambda host: self._one(client, host, host == main), asked), strict=True))
         found = {host: answer for host, answer in answers.items() if not isinstance(answer, str)}
+        for host in found:  # answered again: asked over HTTP from now on
+            self.given_up.pop(host, None)
+            self._retry.pop(host, None)
         return found, {host: answer for host, answer in answers.items() if isinstance(answer, str)}
 
-    def give_up(self, host: str, why: str) -> None:
-        """``host`` answered through Ansible where its exporter did not: ask it through Ansible from now on."""
+    def give_up(self, host: str, why: str) -> float:
+        """``host`` answered through Ansible where its exporter did not: ask it through Ansible for a while, and its
+        exporter again after the seconds returned (twice as long as the last time, from ``FIRST_RETRY_S`` to
+        ``LAST_RETRY_S``)."""
+        last = self._retry[host][1] if host in self._retry else 0.0
+        wait = min(LAST_RETRY_S, max(FIRST_RETRY_S, 2 * last))
         self.given_up[host] = why
+        self._retry[host] = (self.clock() + wait, wait)
+        return wait
 
     def _one(self, client: httpx.Client, host: str, main: bool) -> dict[str, Any] | str:
         """The host's job state, or why there is none."""
@@ -56,10 +77,22 @@ class ExporterStates:
         at = target.endpoint
         try:
             response = client.get(f"http://{at}/job/{self.job_id}" + ("?main=1" if main else ""))
+        except httpx.TimeoutException:
+            return f"{at}: no answer within {self.timeout_s:g} s (a busy host or a slow link)"
+        except httpx.ConnectError as exc:
+            if "refused" in str(exc).lower():
+                return f"{at}: connection refused (ConnectError): no exporter listens (`make provision` installs it)"
+            return f"{at}: cannot connect (ConnectError): {exc}"
         except httpx.HTTPError as exc:
             return f"{at} {type(exc).__name__}: {exc}".strip()
-        if response.status_code != 200 or not response.headers.get("content-type", "").startswith("application/json"):
-            return f"{at}: HTTP {response.status_code} (an exporter older than this controller: `make provision`)"
+        json_answer = response.headers.get("content-type", "").startswith("application/json")
+        if response.status_code == 404 and json_answer:  # the exporter's own "no such run"
+            return (f"{at}: {_error(response)}: the exporter does not see the run's directory (its unit hides /home "
+                    "with ProtectHome=yes where the code lives there, or it reads another code_dir)")  # fmt: skip
+        if response.status_code == 404:
+            return f"{at}: HTTP 404 on /job/ (an exporter older than this controller: `make provision`)"
+        if response.status_code != 200 or not json_answer:
+            return f"{at}: HTTP {response.status_code}: {_error(response)}"
         try:
             state = response.json()
         except ValueError:
@@ -70,3 +103,12 @@ class ExporterStates:
             return f"{at}: the exporter reports host {state.get('host')!r} (exporter_host_name)"
         del state["jobstate"]
         return state
+
+
+def _error(response: httpx.Response) -> str:
+    """What an answer that is not a job state says, in one line."""
+    try:
+        said = response.json()
+    except (ValueError, json.JSONDecodeError):
+        return " ".join(response.text.split())[:200] or "no body"
+    return str(said.get("error", said)) if isinstance(said, dict) else str(said)[:200]

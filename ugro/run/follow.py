@@ -71,16 +71,15 @@ class RemoteSource:
         return found
 
     def _polled_by_ansible(self, why: dict[str, str]) -> None:
-        """Hosts that Ansible reached where their exporter gave no state are asked through Ansible from now on."""
+        """Hosts that Ansible reached where their exporter gave no state are asked through Ansible for a while, and
+        their exporters again later (ugro/monitoring/jobstates.py: from 30 s, twice as long after each failure)."""
         if self.exporters is None or not why:
             return
-        for host, reason in why.items():
-            self.exporters.give_up(host, reason)
+        waits = {host: self.exporters.give_up(host, reason) for host, reason in why.items()}
         if self.on_note is not None:
             self.on_note(
-                f"the job's state on {', '.join(why)} comes through Ansible, a playbook each poll, for the rest of "
-                f"this run: no state from the node exporter ({'; '.join(why.values())}). `make provision` installs "
-                "the exporters."
+                f"the job's state on {', '.join(why)} comes through Ansible, a playbook each poll, until its exporter "
+                f"answers again (asked again in {round(min(waits.values()))} s): {'; '.join(why.values())}"
             )
 
 
