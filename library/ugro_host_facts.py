@@ -23,6 +23,8 @@ job                job        with O(job_id): {job, host, run_dir, state, exit_c
 disk               disk       {path, measured_at, free_bytes, total_bytes} at O(disk_path)
 memory             memory     {total_bytes, available_bytes} (psutil.virtual_memory)
 port_range         ports      the ephemeral port range, "32768-60999"
+range_listeners    ports      [{port, address, process}]: TCP sockets listening inside that range on more than
+                              loopback, other than the job's (role firewall closes the range to non-members)
 env_file           env        {path, exists, error, ifnames} of O(env_file) (NCCL/GLOO_SOCKET_IFNAME)
 profile_exists     env        whether O(profile_file) exists
 resolve            resolve    name -> {address, error}: what each of O(names) resolves to here
@@ -356,6 +358,32 @@ def disk(path: Path) -> dict[str, Any]:
     return {"path": str(path), "measured_at": str(probe), "free_bytes": usage.free, "total_bytes": usage.total}
 
 
+def range_listeners(ports: str | None) -> list[dict[str, Any]]:
+    """The TCP sockets listening inside the ephemeral range ``ports`` on more than loopback: services of the host
+    (NFS's rpc ports, a container's published port, a development server) that role firewall's reset of the range
+    cuts off from every device outside the cluster. A training job's own (torchrun, its ranks) are left out."""
+    low, _, high = (ports or "").partition("-")
+    if not low:
+        return []
+    found: dict[int, dict[str, Any]] = {}
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status != psutil.CONN_LISTEN or not conn.laddr or not int(low) <= conn.laddr.port <= int(high or low):
+            continue
+        if ipaddress.ip_address(conn.laddr.ip.split("%")[0]).is_loopback:
+            continue
+        process = "a process of another user"
+        if conn.pid is not None:
+            try:
+                proc = psutil.Process(conn.pid)
+                process, cmdline = proc.name(), " ".join(proc.cmdline())
+            except psutil.Error:
+                cmdline = ""
+            if "train.worker" in cmdline or "torch.distributed.run" in cmdline or "train.launcher" in cmdline:
+                continue
+        found.setdefault(conn.laddr.port, {"port": conn.laddr.port, "address": conn.laddr.ip, "process": process})
+    return sorted(found.values(), key=lambda entry: int(entry["port"]))
+
+
 def port_range() -> str | None:
     """The ephemeral port range ("32768-60999"): where NCCL and gloo peers connect back to."""
     try:
@@ -581,6 +609,7 @@ def gather(params: dict[str, Any], subsets: set[str]) -> dict[str, Any]:
         facts["memory"] = {"total_bytes": memory.total, "available_bytes": memory.available}
     if "ports" in subsets:
         facts["port_range"] = port_range()
+        facts["range_listeners"] = range_listeners(facts["port_range"])
     if "env" in subsets:
         facts["env_file"] = env_file(Path(params["env_file"]))
         if params["profile_file"]:

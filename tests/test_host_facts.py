@@ -9,6 +9,7 @@ missing psutil is one error naming the host and the key.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -326,3 +327,19 @@ def test_the_firewall_subset_reads_the_live_rules_of_this_machine() -> None:
         assert firewall["nftables"] == {"table": "ugro-test-absent", "present": False, "rules": []}
     else:
         assert firewall["why"] or not Path("/usr/sbin/nft").exists()
+
+
+def test_a_service_listening_inside_the_ephemeral_range_is_listed_with_its_process() -> None:
+    """What role firewall's reset of the range would cut off from the LAN (preflight's firewall row warns)."""
+    low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    with socket.socket() as inside, socket.socket() as loopback_only:
+        inside.bind(("0.0.0.0", 0))  # the kernel picks a port of the ephemeral range, as NFS's rpc ports get theirs
+        inside.listen()
+        loopback_only.bind(("127.0.0.1", 0))
+        loopback_only.listen()
+        port, local = inside.getsockname()[1], loopback_only.getsockname()[1]
+        assert low <= port <= high
+        facts = _facts(gather_subset=["ports"])
+    listed = {entry["port"]: entry for entry in facts["range_listeners"]}
+    assert listed[port]["process"].startswith("python") and listed[port]["address"] == "0.0.0.0", listed
+    assert local not in listed  # loopback only: no device of the LAN reached it anyway

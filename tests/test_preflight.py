@@ -614,3 +614,16 @@ def test_planted_failures_fail_on_the_right_host_with_the_fix(planted: Path, ugr
     refused = ugro("train", "--inventory", str(planted), timeout=200)
     assert refused.returncode == 1 and "not launching" in " ".join(refused.stderr.split()), refused.stderr[-2000:]
     assert not any(runs_dir().glob("default-*/hosts/tb1")), "nothing may start"
+
+
+def test_services_inside_the_closed_range_are_a_warn_naming_them_and_the_fix() -> None:
+    facts = _fw(NFT_RULES) | {"range_listeners": [{"port": 40123, "address": "0.0.0.0", "process": "rpc.mountd"}]}
+    cell = _firewall_check("a", facts, MEMBERS, 29500)
+    assert (cell.status, cell.detail) == ("WARN", "members only; cuts 1 service(s)")
+    assert "rpc.mountd on 40123" in cell.cause and "a's firewall refuses the ports 32768-60999" in cell.cause
+    assert "net.ipv4.ip_local_port_range" in cell.fix and cell.fix.startswith("on a: ")
+    # Without the members-only firewall nothing is cut (that host gets the "open" warning instead).
+    assert (
+        _firewall_check("a", _fw(None, None) | {"range_listeners": facts["range_listeners"]}, MEMBERS, 29500).detail
+        == "open to all"
+    )

@@ -258,7 +258,9 @@ def _firewall_check(host: str, facts: dict[str, Any], addresses: dict[str, str],
             assert extra is not None
             extra += [e for e in _beyond(accepted, members) if e not in extra]
         if extra is not None and not extra:
-            return Cell("PASS", f"members only ({name.split()[0]})")
+            return _services_in_range(host, facts, low, high or low) or Cell(
+                "PASS", f"members only ({name.split()[0]})"
+            )
         if worst is None or (worst[1] is None and extra is not None):
             worst = (name, extra)
     assert worst is not None
@@ -270,6 +272,27 @@ def _firewall_check(host: str, facts: dict[str, Any], addresses: dict[str, str],
         f"{host}'s ports {shown} accept connections from {who} ({name}), more than the cluster's members; "
         "nothing behind them authenticates",
         f"on {host}: {FIREWALL_FIX}",
+    )
+
+
+def _services_in_range(host: str, facts: dict[str, Any], low: str, high: str) -> Cell | None:
+    """A WARN when the host's own services listen inside the ephemeral range that the members-only firewall closes:
+    nftables and ufw cannot tell NCCL's and gloo's sockets from theirs, so no device outside the cluster reaches
+    them any more."""
+    listeners = facts.get("range_listeners") or []
+    if not listeners:
+        return None
+    shown = ", ".join(f"{entry['process']} on {entry['port']}" for entry in listeners[:5])
+    more = f" and {len(listeners) - 5} more" if len(listeners) > 5 else ""
+    return Cell(
+        "WARN",
+        f"members only; cuts {len(listeners)} service(s)",
+        f"{host}'s firewall refuses the ports {low}-{high} to every device outside the cluster (NCCL and gloo listen "
+        f"there), and {host}'s own services listen inside that range: {shown}{more}. Only the cluster's hosts reach "
+        "them now",
+        f"on {host}: give each a fixed port outside {low}-{high}, or narrow the range (sysctl "
+        "net.ipv4.ip_local_port_range) so that their ports fall outside it, then make provision "
+        "ANSIBLE_ARGS='--tags firewall'",
     )
 
 
