@@ -43,6 +43,23 @@ def test_chat_format_trains_on_assistant_turns(tokenizer: object) -> None:
     assert "pong" in trained and "ping" not in trained
 
 
+def test_sharegpt_and_openai_conversations_train_alike(tokenizer: object) -> None:
+    """ShareGPT's shape (conversations of from/value, human/gpt) is the same conversation as OpenAI's messages (a
+    name or a system turn included): the same tokens, the same trained tokens."""
+    cfg = DataConfig(source="x.jsonl", format="chat")
+    openai = {"messages": [{"role": "system", "content": "You run a GPU cluster."},
+                           {"role": "user", "name": "ada", "content": "Which port?"},
+                           {"role": "assistant", "content": "29500."}]}  # fmt: skip
+    sharegpt = {"conversations": [{"from": "system", "value": "You run a GPU cluster."},
+                                  {"from": "human", "value": "Which port?"},
+                                  {"from": "gpt", "value": "29500."}]}  # fmt: skip
+    (a,) = tokenize([Record("t.jsonl:1", openai)], cfg, tokenizer)
+    (b,) = tokenize([Record("s.jsonl:1", sharegpt)], cfg, tokenizer)
+    assert a == b
+    trained = tokenizer.decode([t for t, lab in zip(*b, strict=True) if lab != IGNORE])  # type: ignore[attr-defined]
+    assert "29500." in trained and "Which port" not in trained
+
+
 def test_record_that_does_not_fit_the_format_is_named(tokenizer: object) -> None:
     cfg = DataConfig(source="x.jsonl", format="instruction")
     records = [Record("t.jsonl:1", {"instruction": "a", "output": "b"}), Record("t.jsonl:2", {"prompt": "a"})]
@@ -95,6 +112,13 @@ def test_missing_data_file_is_a_config_error(tmp_path: Path, tokenizer: object) 
         ),
         ('["a", "b"]\n', "instruction", r"bad.jsonl:1: a record must be a JSON object"),
         ('{"messages": [{"role": "user", "content": "hi"}]}\n', "chat", r"bad.jsonl:1: no 'assistant' message"),
+        (
+            '{"conversations": [{"from": "human", "value": "hi"}, {"from": "tool", "value": "42"}]}\n',
+            "chat",
+            r"bad.jsonl:1: message 2 has the from 'tool', which names no chat role \(user, assistant, system; ShareGPT",
+        ),
+        ('{"conversations": [{"from": "human", "text": "hi"}]}\n', "chat", r"string 'from' and 'value'"),
+        ('{"dialog": []}\n', "chat", r"bad.jsonl:1: missing 'messages' \(or ShareGPT's 'conversations'\)"),
         ('{"text": 3}\n', "text", r"bad.jsonl:1: missing or empty 'text'"),
         ("", "instruction", r"holds no records \(an empty file\?\)"),
     ],

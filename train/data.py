@@ -113,7 +113,7 @@ def render(row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> list[tuple[s
     if cfg.format == "instruction":
         return [(_alpaca_prompt(row), train_all), (str(row["output"]), True)]
     segments = []
-    for turn in row["messages"]:
+    for turn in messages(row, cfg.format):
         segments.append((f"<|{turn['role']}|>\n", train_all))
         segments.append((f"{turn['content']}\n", train_all or turn["role"] == "assistant"))
     return segments

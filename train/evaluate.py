@@ -20,7 +20,7 @@ from train import comm, regroup
 from train.config import JobConfig
 from train.data import Blocks, prepare_eval, prompt_text
 from train.distributed import RankInfo
-from train.records import Record
+from train.records import Record, is_chat, messages
 from train.step import label_tokens, summed_loss
 
 
@@ -93,8 +93,8 @@ def question(record: Record) -> str:
     """What the sample shows as asked: the last user turn, the instruction, or a note's first line (the model
     goes on from it, train/data.py prompt_text)."""
     row = record.fields
-    if "messages" in row:
-        return str([t["content"] for t in row["messages"] if t["role"] == "user"][-1])
+    if is_chat(row):
+        return str([t["content"] for t in messages(row, "chat") if t["role"] == "user"][-1])
     if "instruction" not in row:
         return str(row.get("text", "")).split("\n", 1)[0]
     return str(row["instruction"]) + (f"\n\n{row['input']}" if row.get("input") else "")
@@ -103,8 +103,8 @@ def question(record: Record) -> str:
 def reference(record: Record) -> str:
     """The answer the data holds: the last assistant turn, the output, or the rest of the note."""
     row = record.fields
-    if "messages" in row:
-        return str([t["content"] for t in row["messages"] if t["role"] == "assistant"][-1])
+    if is_chat(row):
+        return str([t["content"] for t in messages(row, "chat") if t["role"] == "assistant"][-1])
     if "instruction" not in row:
         return (str(row.get("text", "")).split("\n", 1)[1:] or [""])[0]
     return str(row.get("output", ""))

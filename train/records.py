@@ -14,7 +14,7 @@ from train.config import ConfigError, DataConfig
 from train.digest import sha256_file, sha256_tree
 from train.sources import READERS, TEXT_SUFFIXES, Record, read_notes_folder
 
-__all__ = ["Record", "check_record", "describe_source", "load_records", "messages", "read_checked"]
+__all__ = ["Record", "check_record", "describe_source", "is_chat", "load_records", "messages", "read_checked"]
 
 _LINELESS = (".parquet",)  # local files read through ``datasets``: their records are named "row N"
 
@@ -74,7 +74,8 @@ def _load_with_datasets(source: str, local: Path, split: str, key: str) -> list[
 
 _NEEDS = {
     "instruction": "'instruction' and 'output' strings (and optionally 'input')",
-    "chat": "'messages': a list of {role, content} with at least one 'assistant' turn",
+    "chat": "'messages': a list of {role, content} (or ShareGPT's 'conversations': a list of {from, value}) with at "
+    "least one assistant turn",
     "text": "a 'text' string",
 }
 
@@ -97,17 +98,19 @@ def check_record(record: Record, fmt: str) -> None:
         if row.get("input") is not None and not isinstance(row["input"], str):
             raise bad("'input' must be a string")
         return
-    turns = row.get("messages")
+    shape = _chat_shape(row)
+    if shape is None:
+        raise bad("missing 'messages' (or ShareGPT's 'conversations')")
+    key, role, content = shape
+    turns = row[key]
     if not isinstance(turns, list) or not turns:
-        raise bad("missing 'messages'")
+        raise bad(f"'{key}' is not a list of messages")
     for n, turn in enumerate(turns, 1):
-        if (
-            not isinstance(turn, dict)
-            or not isinstance(turn.get("role"), str)
-            or not isinstance(turn.get("content"), str)
-        ):
-            raise bad(f"message {n} is not an object with string 'role' and 'content'")
-    if not any(turn["role"] == "assistant" for turn in turns):
+        if not isinstance(turn, dict) or not isinstance(turn.get(role), str) or not isinstance(turn.get(content), str):
+            raise bad(f"message {n} is not an object with string '{role}' and '{content}'")
+        if turn[role].strip().lower() not in ROLES:
+            raise bad(f"message {n} has the {role} '{turn[role]}', which names no chat role ({_KNOWN_ROLES})")
+    if not any(ROLES[turn[role].strip().lower()] == "assistant" for turn in turns):
         raise bad("no 'assistant' message to train on")
 
 
@@ -119,10 +122,44 @@ def read_checked(source: str, cfg: DataConfig, base_dir: Path, key: str = "data.
     return records
 
 
+# The speakers' names of the chat shapes people bring -> the chat roles: OpenAI's (and its 'developer'), ShareGPT's
+# (human, gpt) and those of other exports (chatgpt, bard, model, bot).
+ROLES = {
+    "system": "system", "developer": "system",
+    "user": "user", "human": "user",
+    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "model": "assistant",
+    "bot": "assistant",
+}  # fmt: skip
+_KNOWN_ROLES = "user, assistant, system; ShareGPT's human and gpt"
+
+
+def _chat_shape(row: dict[str, Any]) -> tuple[str, str, str] | None:
+    """Where a chat record keeps its messages, and their role and content keys: OpenAI's ``messages`` of
+    {role, content} (a ``name`` is ignored), or ShareGPT's ``conversations`` of {from, value}."""
+    if "messages" in row:
+        return "messages", "role", "content"
+    if "conversations" in row:
+        turns = row["conversations"]
+        first = turns[0] if isinstance(turns, list) and turns else None
+        if isinstance(first, dict) and "from" not in first and "role" in first:
+            return "conversations", "role", "content"  # ShareGPT files written with OpenAI's keys
+        return "conversations", "from", "value"
+    return None
+
+
+def is_chat(row: dict[str, Any]) -> bool:
+    """Whether ``row`` holds a conversation (OpenAI's or ShareGPT's shape)."""
+    return _chat_shape(row) is not None
+
+
 def messages(row: dict[str, Any], fmt: str) -> list[dict[str, str]]:
-    """The record as chat messages (instruction: one user turn, one assistant turn)."""
+    """The record as chat messages of the roles system, user and assistant (instruction: one user turn, one
+    assistant turn); ``check_record`` has checked it."""
     if fmt == "chat":
-        return [{"role": str(t["role"]), "content": str(t["content"])} for t in row["messages"]]
+        shape = _chat_shape(row)
+        assert shape is not None, "check_record first"
+        key, role, content = shape
+        return [{"role": ROLES[str(t[role]).strip().lower()], "content": str(t[content])} for t in row[key]]
     user = str(row["instruction"]) + (f"\n\n{row['input']}" if row.get("input") else "")
     return [{"role": "user", "content": user}, {"role": "assistant", "content": str(row["output"])}]
 
