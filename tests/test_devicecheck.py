@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from helpers import REPO
 
-from train import devicecheck, distributed, regroup
+from train import comm, devicecheck, distributed, regroup
 
 
 def _refused(call: Callable[[], object]) -> str:
@@ -36,7 +36,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         _refused(lambda: dist.all_gather([torch.zeros(2, device=device)] * 2, torch.zeros(2))),
         _refused(lambda: dist.broadcast(torch.zeros(3, device="cpu"), src=0)),
         # the gloo control group beside NCCL carries CPU tensors only
-        _refused(lambda: dist.all_reduce(torch.zeros(1, device=device), group=distributed.control_group())),
+        _refused(lambda: dist.all_reduce(torch.zeros(1, device=device), group=comm.control_group())),
     ]
     # What NCCL carries passes: made on the device, moved there, computed from it, a model's outputs.
     total = torch.tensor([float(rank)], device=device)
@@ -45,7 +45,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     dist.all_reduce(moved)
     linear = torch.nn.Linear(3, 2).to(device)
     dist.broadcast(linear(torch.ones(1, 3).to(device)).detach(), src=0)
-    gathered = regroup.gather_objects({"rank": rank}, distributed.control_group())  # CPU tensors on gloo: right
+    gathered = regroup.gather_objects({"rank": rank}, comm.control_group())  # CPU tensors on gloo: right
     assert float(total) == 1.0 and float(moved) == 4.0 and [g["rank"] for g in gathered] == [0, 1]
     if rank == 0:
         Path(out).write_text("\n".join(refusals))

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from train import distributed, regroup
+from train import comm, regroup
 from train.digest import sha256_file
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def gather_rngs() -> list[Any]:
     """Collective: every rank's RNG states, by rank (abandoned, like a step's all-reduce, when a peer is lost)."""
     if not dist.is_initialized():
         return [rng_state()]
-    return regroup.gather_objects(rng_state(), distributed.control_group())
+    return regroup.gather_objects(rng_state(), comm.control_group())
 
 
 def save(

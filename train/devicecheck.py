@@ -142,7 +142,7 @@ def caller() -> str:
 
 def carries(group: Any) -> str:
     """``rank`` for the default group and the groups made beside it without a backend (NCCL on GPUs), ``host`` for
-    a gloo group made for control traffic (``train.distributed.control_group``)."""
+    a gloo group made for control traffic (``train.comm.control_group``)."""
     from train import comm  # comm refuses through this module: imported when a check runs
 
     return HOST if group is not None and group in comm.control_groups() else RANK

@@ -128,14 +128,9 @@ def wait_for_all(what: str, timeout_s: int) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     try:
-        dist.monitored_barrier(group=control_group(), timeout=datetime.timedelta(seconds=timeout_s))
+        dist.monitored_barrier(group=comm.control_group(), timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise dist.DistError(f"waiting until {what}: {exc}") from exc
-
-
-def control_group() -> dist.ProcessGroup | None:
-    """The gloo group for control traffic (train/comm.py decides which group carries what)."""
-    return comm.control_group()
 
 
 def shutdown() -> None:

@@ -166,9 +166,8 @@ class Pipelined(_Engine):
         mine = list(range(self.where.replica, len(blocks), len(self.layout.replicas)))
         batches = [blocks.batch(mine[i : i + batch_size], self.info.device) for i in range(0, len(mine), batch_size)]
         summed, tokens = self.runner.loss(batches)
-        total = torch.tensor([summed, float(tokens)], dtype=torch.float64)
+        total = comm.tensor([summed, float(tokens)], torch.float64)
         if dist.is_initialized() and self.info.world_size > 1:
-            total = comm.tensor([summed, float(tokens)], torch.float64)
             comm.all_reduce(total)
         self.model.train(was_training)
         count = int(total[1])

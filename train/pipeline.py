@@ -127,7 +127,7 @@ class StageRunner:
         """Accumulate this stage's token-weighted gradients of the step; return (global mean loss, T)."""
         before = self.sent_bytes
         own = sum(label_tokens(mb) for mb in micro_batches)
-        total = exchange(own if self.where.last else 0, clock, self.device)
+        total = exchange(own if self.where.last else 0, clock)
         scale = 1.0 / max(total, 1)
         clock.begin()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -226,8 +226,6 @@ class GradSync:
             for name in names or []:
                 holders.setdefault(name, []).append(other)
         self.params = dict(named)
-        # Where the norm's all-reduce happens: the parameters' (the rank's) device, which NCCL needs.
-        self.device = named[0][1].device if named else torch.device("cpu")
         self.lead = [p for name, p in named if holders[name][0] == rank]  # counts each parameter once in the norm
         sets = sorted({tuple(h) for h in holders.values() if len(h) > 1})
         self.buckets: list[tuple[Any, list[torch.nn.Parameter]]] = []
@@ -247,7 +245,7 @@ class GradSync:
 
     def clip(self, max_norm: float) -> float:
         """Clip every gradient by the norm of the whole gradient (as clip_grad_norm_); return that norm."""
-        squares = comm.zeros((), torch.float64) if dist.is_initialized() else torch.zeros((), dtype=torch.float64)
+        squares = comm.zeros((), torch.float64)
         for param in self.lead:
             if param.grad is not None:
                 squares += param.grad.detach().double().pow(2).sum()

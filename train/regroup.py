@@ -253,7 +253,7 @@ def wait(work: dist.Work | None) -> None:
 def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Collective: every rank's ``obj`` (picklable), by rank, as ``dist.all_gather_object`` gives them, but in two
     collectives a new membership abandons (``wait``) where that one blocks until the collective timeout. CPU tensors:
-    ``group`` must be a gloo group (the default one on CPU; ``distributed.control_group()`` beside NCCL)."""
+    ``group`` must be a gloo group (the default one on CPU; ``comm.control_group()`` beside NCCL)."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     world = dist.get_world_size(group)
     sizes = [comm.zeros(1, torch.int64, group) for _ in range(world)]

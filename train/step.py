@@ -170,7 +170,7 @@ class StepClock:
             self._ended = (self._first, self._last)
 
 
-def exchange(counted_tokens: int, clock: StepClock, device: torch.device) -> int:
+def exchange(counted_tokens: int, clock: StepClock) -> int:
     """Collective, once per step: the step's label tokens summed over the ranks (each counts ``counted_tokens``),
     and every rank's compute time and tokens of the previous step into ``clock.gathered*``."""
     initialized = dist.is_available() and dist.is_initialized()
@@ -195,7 +195,7 @@ def backward(
     clock = clock or StepClock()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     own_tokens = sum(label_tokens(mb) for mb in micro_batches)
-    total = exchange(own_tokens, clock, device)
+    total = exchange(own_tokens, clock)
 
     clock.begin()
     scale = world / max(total, 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,10 @@ def problem(path: Path) -> str | None:
     return None
 
 
-def newest_intact(run_dir: Path) -> dict[str, Any] | None:
-    """{name, step, path} of the newest checkpoint that passes its manifest, or None."""
+def newest_intact(run_dir: Path, check: Callable[[Path], str | None] = problem) -> dict[str, Any] | None:
+    """{name, step, path} of the newest checkpoint that passes its manifest (``check``: what is wrong with one,
+    None when nothing), or None."""
     for path in reversed(listed(run_dir)):
-        if problem(path) is None:
+        if check(path) is None:
             return {"name": path.name, "step": step_of(path), "path": str(path)}
     return None

@@ -56,14 +56,17 @@ class Replicator:
     def local_newest(self) -> dict[str, Any] | None:
         """{name, step, path} of the controller's newest intact checkpoint, or None. Each checkpoint's files are
         hashed once, and again only when one of them changed (its size or modification time)."""
-        for path in reversed(ugro_checkpoints.listed(self.run_dir)):
-            seen = _file_stats(path)
-            if self._verified.get(path.name) != seen:
-                if ugro_checkpoints.problem(path) is not None:
-                    continue
-                self._verified[path.name] = seen
-            return {"name": path.name, "step": ugro_checkpoints.step_of(path), "path": str(path)}
-        return None
+        return ugro_checkpoints.newest_intact(self.run_dir, self._problem)
+
+    def _problem(self, path: Path) -> str | None:
+        """``ugro_checkpoints.problem``, skipped for a checkpoint whose files are as they were when they passed."""
+        seen = _file_stats(path)
+        if self._verified.get(path.name) == seen:
+            return None
+        why = ugro_checkpoints.problem(path)
+        if why is None:
+            self._verified[path.name] = seen
+        return why
 
     def fetch(self, host: str, name: str, cancelled: Callable[[], bool] | None = None) -> str | None:
         """Copy checkpoint ``name`` (and the run's records) from ``host`` to the controller; None when the copy
