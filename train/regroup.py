@@ -335,13 +335,12 @@ def form(backend: str, store: dist.Store, attempt: int, generation: int, rank: i
     dist.init_process_group(store=prefixed, rank=rank, world_size=world, **kwargs)
 
 
-def leave(backend: str) -> str:
-    """Leave every process group of the broken membership; how (``destroyed`` or ``aborted``)."""
+def leave(backend: str) -> None:
+    """Leave every process group of the broken membership: NCCL's aborted, gloo's destroyed."""
     if backend == dist.Backend.NCCL:
         dist.distributed_c10d._abort_process_group()  # every group, the control and pipeline ones too
-        return "aborted"
-    dist.destroy_process_group()
-    return "destroyed"
+    else:
+        dist.destroy_process_group()
 
 
 def agree_step(done: int) -> tuple[int, int, int]:

@@ -12,7 +12,6 @@ at most ``LAST_RETRY_S`` (one slow answer while its ranks start must not cost a 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -109,6 +108,6 @@ def _error(response: httpx.Response) -> str:
     """What an answer that is not a job state says, in one line."""
     try:
         said = response.json()
-    except (ValueError, json.JSONDecodeError):
+    except ValueError:  # json.JSONDecodeError included
         return " ".join(response.text.split())[:200] or "no body"
     return str(said.get("error", said)) if isinstance(said, dict) else str(said)[:200]
