@@ -330,6 +330,42 @@ def _serving_ranks(targets: list[monitor.Target]) -> dict[str, str] | None:
     return texts if ready and any(s.job for s in samples.values()) else None
 
 
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+
+
+def _ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=5, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _start_prometheus(prometheus: str, config: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Prometheus on a free loopback port, once it answers /-/ready; another port if someone took that one first."""
+    log_path = tmp_path / "prometheus.log"
+    for _ in range(3):
+        port = free_port()
+        with open(log_path, "wb") as log:
+            prom = subprocess.Popen(
+                [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                stdout=subprocess.DEVNULL, stderr=log,
+            )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while prom.poll() is None and not _ready(port):
+            if time.monotonic() > deadline:
+                prom.terminate()
+                prom.wait(timeout=30)
+                raise AssertionError(f"Prometheus was not ready within 60 s: {_tail(log_path)}")
+            time.sleep(0.25)
+        if prom.poll() is None:
+            return prom, port
+        if "address already in use" not in _tail(log_path):
+            raise AssertionError(f"Prometheus exited with {prom.returncode}: {_tail(log_path)}")
+    raise AssertionError(f"Prometheus found no free port in 3 tries: {_tail(log_path)}")
+
+
 def _prometheus(port: int, path: str, **params: str) -> Any:
     response = httpx.get(f"http://127.0.0.1:{port}{path}", params=params, timeout=5, trust_env=False)
     response.raise_for_status()
@@ -413,13 +449,8 @@ def test_exporters_prometheus_and_dashboard_during_a_job(
         checked = subprocess.run([str(Path(prometheus).parent / "promtool"), "check", "config", str(config)],
                                  capture_output=True, text=True, check=False)  # fmt: skip
         assert checked.returncode == 0, checked.stdout + checked.stderr
-        port = free_port()
-        with open(tmp_path / "prometheus.log", "wb") as log:
-            prom = subprocess.Popen(
-                [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                stdout=subprocess.DEVNULL, stderr=log,
-            )  # fmt: skip
+        prom, port = _start_prometheus(prometheus, config, tmp_path)
+        mark("Prometheus ready")
 
         # Every exporter serves its host's rank; the host that keeps the run also the job's totals.
         texts = _until("every exporter to serve its rank", lambda: _serving_ranks(targets), 240, 1.0)
@@ -448,6 +479,7 @@ def test_exporters_prometheus_and_dashboard_during_a_job(
         # A real Prometheus: every exporter up (and tb2's node_exporter target from the inventory, which
         # nothing serves here), the training series moving on every host.
         def all_up() -> list[Any] | None:
+            assert prom is not None and prom.poll() is None, f"Prometheus exited: {_tail(tmp_path / 'prometheus.log')}"
             active = _prometheus(port, "/api/v1/targets")["activeTargets"]
             ugro = [t for t in active if t["labels"]["job"] == "ugro"]
             return active if len(ugro) == 3 and all(t["health"] == "up" for t in ugro) else None
