@@ -35,7 +35,10 @@ PROFILE = "/opt/ugro-profile-pipeline.yaml"  # on each test host (its own /opt)
 def capped(testbed: Any, cluster: Path, repo_jobs: Path) -> Iterator[tuple[Path, Path, float]]:
     """(the job, an inventory whose hosts' profiles cap their memory just below the whole model's need, the cap)."""
     held_out = {"source": "data/sample/eval.jsonl", "every": 16, "samples": 1, "max_new_tokens": 8}
-    job = cluster_job(repo_jobs, "pipeline-test", train={"max_steps": 16}, checkpoint={"every": 2}, eval=held_out)
+    # Micro-batches of one sequence: the planner would rather shrink a rank's micro-batch than cut the model, so
+    # the cap must be below the whole model's need at the smallest micro-batch.
+    job = cluster_job(repo_jobs, "pipeline-test", train={"max_steps": 16}, checkpoint={"every": 2}, eval=held_out,
+                      rank_local={"micro_batch_size": 1})  # fmt: skip
     config = load_job(job)
     shape = stageplan.read_shape(config, REPO)
     whole = stageplan.estimate(shape, config, shape.layers, True, True, 1, "cpu").total

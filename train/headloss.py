@@ -31,16 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from train.data import IGNORE
+from train.headchunks import CHUNK_BYTES, TRANSFORMED_LOGITS, chunk_rows, transformed
 
 log = logging.getLogger(__name__)
-
-# One chunk's fp32 logits: 441 label tokens at a 151,936-token vocabulary. Every chunk reads the whole head weight
-# twice (logits, gradient): at 128 MiB the loss at bench/headloss.py's shape took 1.3x the CPU time it takes at 256.
-CHUNK_BYTES = 256 * 2**20
-
-# Config keys of models whose logits are transformed after the head (Gemma 2/3, Cohere, Granite), and the value
-# that leaves them as they are.
-TRANSFORMED_LOGITS = {"final_logit_softcapping": 0.0, "logit_scale": 1.0, "logits_scaling": 1.0}
 
 _decided: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module | None] = weakref.WeakKeyDictionary()
 
@@ -54,10 +47,10 @@ def causal_lm(model: torch.nn.Module) -> Any:
 def _unfit(lm: Any) -> str | None:
     """Why the loss cannot be computed from ``lm``'s hidden states and head weight, or None when it can."""
     config = getattr(lm, "config", None)
-    for key, neutral in TRANSFORMED_LOGITS.items():
-        value = getattr(config, key, None)
-        if value is not None and float(value) != neutral:
-            return f"its config sets {key}={value}: the logits are not a plain linear of the hidden states"
+    key = transformed({k: getattr(config, k, None) for k in TRANSFORMED_LOGITS})
+    if key is not None:
+        value = getattr(config, key)
+        return f"its config sets {key}={value}: the logits are not a plain linear of the hidden states"
     if not hasattr(lm, "get_output_embeddings") or lm.get_output_embeddings() is None:
         return "it names no head (get_output_embeddings)"
     head = lm.get_output_embeddings()
@@ -170,7 +163,7 @@ class _ChunkedLoss(torch.autograd.Function):
         grad_low = torch.zeros_like(low) if low is not None and need[2] else None
         grad_up = torch.zeros_like(up) if up is not None and need[3] else None
         total = torch.zeros((), dtype=torch.float64, device=rows.device)
-        step = max(1, CHUNK_BYTES // (4 * weight.shape[0]))
+        step = chunk_rows(weight.shape[0], CHUNK_BYTES)
         for start in range(0, rows.shape[0], step):
             part = slice(start, start + step)
             h, t = rows[part], wanted[part]

@@ -58,6 +58,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     torch.manual_seed(job.train.seed)
     preempt.install()  # a batch scheduler's warning before its time limit (train/preempt.py); LAN: nothing
     layout = placement.decide(job, info, code_dir)  # data parallel, or pipeline stages when the model needs them
+    job = placement.sized(job, layout, info.rank)  # a smaller micro-batch where only that fits the whole model
     trainer = engine.build(job, info, code_dir, layout, run_dir)  # a whole replica, or this rank's stage
     tokenizer, backend = trainer.tokenizer, trainer.backend
     blocks = prepare(job.data, tokenizer, code_dir)

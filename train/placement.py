@@ -16,6 +16,7 @@ import torch.distributed as dist
 from train import stageplan, topology
 from train.config import ConfigError, JobConfig
 from train.distributed import RankInfo
+from train.model import resolve_backend
 
 GIB = float(1 << 30)
 
@@ -46,7 +47,17 @@ def member(job: JobConfig, info: RankInfo) -> stageplan.Member:
         speed=speed,
         device=info.device.type,
         rank_local=job.rank_local,
+        backend=resolve_backend(job.model, info.device.type == "cuda"),
     )
+
+
+def sized(job: JobConfig, layout: topology.Layout, rank: int) -> JobConfig:
+    """The job as this rank runs it in ``layout``: with the smaller micro-batch the planner chose for it, if it did
+    (the whole model fits the rank only so); the global batch stays, each rank accumulating more micro-batches."""
+    micro = layout.stage(rank).micro
+    if not 0 < micro < job.micro_batch_cap:
+        return job
+    return job.model_copy(update={"rank_local": job.rank_local.model_copy(update={"micro_batch_size": micro})})
 
 
 def decide(job: JobConfig, info: RankInfo, code_dir: Path) -> topology.Layout:

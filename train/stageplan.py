@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from train.config import JobConfig, RankLocalConfig, StagesConfig
+from train.headchunks import chunk_rows, transformed
 from train.topology import Layout, Replica, Stage
 
 # Llama-family decoders only: a stage fed hidden states runs the decoder layers and nothing else. GPT-2 adds
@@ -34,7 +35,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # fp32 constant per 256 of those: 0.127 bits a weight (QLoRA paper, section 3).
 NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 LORA_BYTES = 16  # per trainable parameter: fp32 weight, its gradient, Adam's two moments
-LOGIT_BYTES = 4 * 2  # per logit: fp32 logits, and the cross-entropy's softmax (its gradient) beside them
+LOGIT_BYTES = 4 * 2  # per logit of a model whose loss needs the whole logits: fp32 logits and their gradient
+HF_4BIT_KEPT_BYTES = 4  # peft's prepare_model_for_kbit_training casts every parameter bitsandbytes left to fp32
 CUDA_OVERHEAD_GIB = 0.5  # the CUDA context and cuBLAS workspaces, which live in the card's memory
 CPU_OVERHEAD_GIB = 1.0  # the interpreter with torch and transformers imported
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -61,6 +63,7 @@ class ModelShape:
     vocab: int
     tie_word_embeddings: bool
     attention_bias: bool = False
+    whole_logits: bool = False  # logits transformed after the head: the loss needs them all (train/headchunks.py)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], where: str = "config.json") -> ModelShape:
@@ -77,6 +80,7 @@ class ModelShape:
                 vocab=int(config["vocab_size"]),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+                whole_logits=transformed(config) is not None,
             )
         except KeyError as exc:
             raise PlanError(f"{where}: not a decoder config the planner can read: no key '{exc.args[0]}'") from None
@@ -147,17 +151,17 @@ class Estimate:
     embedding: float  # the vocabulary matrices this stage holds: the embedding and/or an untied head
     lora: float  # LoRA weights with their gradients and Adam moments
     activations: float  # what the backward pass needs, for every micro-batch in flight
-    logits: float  # the last stage's logits and the cross-entropy's
+    loss: float  # the last stage's loss: a chunk of logits (or all of them) and their gradient
     overhead: float  # the CUDA context, or the interpreter with torch on CPU; the 4-bit dequantization buffer
 
     @property
     def total(self) -> float:
-        return self.weights + self.embedding + self.lora + self.activations + self.logits + self.overhead
+        return self.weights + self.embedding + self.lora + self.activations + self.loss + self.overhead
 
     def parts(self) -> str:
-        """'weights 6.3 + embedding 2.9 + LoRA/optimizer 1.0 + activations 0.4 + logits 1.2 + overhead 0.6'."""
+        """'weights 6.3 + embedding 2.9 + LoRA/optimizer 1.0 + activations 0.4 + loss 0.4 + overhead 0.6'."""
         named = [("weights", self.weights), ("embedding/head", self.embedding), ("LoRA/optimizer", self.lora),
-                 ("activations", self.activations), ("logits", self.logits), ("overhead", self.overhead)]  # fmt: skip
+                 ("activations", self.activations), ("loss", self.loss), ("overhead", self.overhead)]  # fmt: skip
         return " + ".join(f"{name} {value:.1f}" for name, value in named if value >= 0.05 or name == "weights")
 
 
@@ -195,13 +199,17 @@ def estimate(
     device_kind: str,
     *,
     micro: int | None = None,
+    backend: str = "hf",
 ) -> Estimate:
-    """The peak memory of a stage holding ``layers`` decoder layers (the whole model: first and last, all layers).
+    """The peak memory of a stage holding ``layers`` decoder layers (the whole model: first and last, all layers)
+    when ``backend`` ("hf": transformers + peft; "unsloth") trains it.
 
     Assumptions:
 
     * frozen weights in ``model.dtype``; with ``quantization: 4bit`` the decoder's linear layers take NF4 with
-      double quantization (~0.516 byte a weight) and the embedding, norms and head stay in ``model.dtype``;
+      double quantization (~0.516 byte a weight) and the embedding, norms and head stay unquantized: in
+      ``model.dtype`` with unsloth, in fp32 with transformers + peft (``prepare_model_for_kbit_training`` casts
+      every parameter bitsandbytes did not quantize to fp32);
     * vocabulary matrices as train/stagemodel.py loads them: the first stage keeps the embedding (its head tied
       to it, no copy), a middle stage a one-row stub (nothing), the last stage the head, plus the embedding when
       the model's head is not tied to it;
@@ -209,9 +217,12 @@ def estimate(
       the last stage), 16 bytes a parameter (fp32 weight, gradient, two Adam moments);
     * activations in ``model.dtype``: a micro-batch is ``micro`` (default: the rank's cap) x data.seq_len tokens;
       per layer and token ``_activation_elements`` without gradient checkpointing, only the layer's input with
-      it (plus one layer's full set while it is recomputed); a 1F1B stage keeps ``in_flight`` micro-batches
-      (the number of stages minus its index; 1 for a whole model);
-    * logits on the last stage: micro x seq_len x vocab x 4 bytes, twice for the cross-entropy;
+      it (plus one layer's full set while it is recomputed; unsloth's checkpointing keeps the layers' inputs in
+      the host's memory, not the card's); a 1F1B stage keeps ``in_flight`` micro-batches (the number of stages
+      minus its index; 1 for a whole model);
+    * the loss on the last stage (train/headloss.py): one chunk of label tokens' fp32 logits and the head's
+      output in the head's dtype beside them, and the hidden states' gradient; a model whose logits are
+      transformed after the head needs micro x seq_len x vocab fp32 logits and their gradient;
     * overhead: the CUDA context (or the interpreter and torch on CPU), and with 4-bit weights one dequantized
       linear layer at a time;
     * not counted: the allocator's fragmentation and the display's share of a card (leave them out of the
@@ -220,10 +231,11 @@ def estimate(
     cb = DTYPE_BYTES[job.model.dtype]
     four_bit = job.model.quantization == "4bit"
     wb = NF4_BYTES if four_bit else cb
+    kept = HF_4BIT_KEPT_BYTES if four_bit and backend == "hf" else cb  # the parameters left unquantized
     h = shape.hidden
-    weights = layers * (shape.layer_linear_params * wb + shape.layer_other_params * cb) + (h * cb if last else 0)
+    weights = layers * (shape.layer_linear_params * wb + shape.layer_other_params * kept) + (h * kept if last else 0)
     matrices = (1 if shape.tie_word_embeddings else 2) if last else (1 if first else 0)
-    embedding = matrices * shape.vocab * h * cb
+    embedding = matrices * shape.vocab * h * kept
     targets = _targets(job)
     r = job.lora.r
     lora_params = layers * sum(r * (a + b) for name, (a, b) in shape.linears().items() if name in targets)
@@ -231,17 +243,24 @@ def estimate(
         lora_params += r * (h + shape.vocab)
     tokens = (micro if micro is not None else job.micro_batch_cap) * job.data.seq_len
     full = _activation_elements(shape, job, device_kind, job.data.seq_len)
-    if job.rank_local.gradient_checkpointing:
-        per_token = in_flight * layers * h + (full if layers else 0)
-    else:
+    if not job.rank_local.gradient_checkpointing:
         per_token = in_flight * layers * full
+    elif backend == "unsloth":
+        per_token = h + (full if layers else 0)  # the inputs wait in host memory; one layer's and its recompute
+    else:
+        per_token = in_flight * layers * h + (full if layers else 0)
     activations = tokens * per_token * cb + (in_flight * tokens * h * cb if not first else 0)
-    logits = tokens * shape.vocab * LOGIT_BYTES if last else 0
+    if not last:
+        loss = 0.0
+    elif shape.whole_logits:
+        loss = tokens * shape.vocab * LOGIT_BYTES
+    else:
+        loss = min(tokens, chunk_rows(shape.vocab)) * shape.vocab * (4 + kept) + tokens * h * kept
     overhead = (CUDA_OVERHEAD_GIB if device_kind == "cuda" else CPU_OVERHEAD_GIB) * GIB
     if four_bit and layers:
         overhead += max(a * b for a, b in shape.linears().values()) * cb
     return Estimate(weights / GIB, embedding / GIB, lora_params * LORA_BYTES / GIB, activations / GIB,
-                    logits / GIB, overhead / GIB)  # fmt: skip
+                    loss / GIB, overhead / GIB)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -249,7 +268,8 @@ class Member:
     """One rank as the planner sees it: its host, the memory it may use, its relative speed.
 
     ``rank_local`` is the rank's own rank-local config (its memory profile over the job's; None: the job's), whose
-    micro-batch cap and gradient checkpointing size its activations. ``device`` is "cuda" or "cpu".
+    micro-batch cap and gradient checkpointing size its activations. ``device`` is "cuda" or "cpu"; ``backend`` what
+    trains the whole model there ("unsloth" or "hf", train/model.py ``resolve_backend``: stages always run "hf").
     """
 
     host: str
@@ -257,6 +277,7 @@ class Member:
     speed: float = 1.0
     device: str = "cuda"
     rank_local: RankLocalConfig | None = None
+    backend: str = "hf"
 
 
 @dataclass(frozen=True)
@@ -268,6 +289,7 @@ class _Kind:
     device: str
     cap: int
     checkpointing: bool
+    backend: str
 
 
 @dataclass
@@ -277,6 +299,7 @@ class _Pipeline:
     peaks: tuple[float, ...]
     shares: tuple[float, ...]
     speed: float  # sequences per unit time, 1.0 = a speed-1.0 rank running the whole model alone
+    micro: int = 0  # the micro-batch its stages are sized for
     stages: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -313,7 +336,7 @@ class _Planner:
         local = self._rank_local(index)
         member = self.members[index]
         return _Kind(member.memory_gib, self.speeds[index], member.device, local.cap(self.job.data.seq_len),
-                     local.gradient_checkpointing)  # fmt: skip
+                     local.gradient_checkpointing, member.backend)  # fmt: skip
 
     def _job(self, kind: _Kind) -> JobConfig:
         if kind not in self.jobs:
@@ -322,7 +345,11 @@ class _Planner:
         return self.jobs[kind]
 
     def estimate(self, kind: _Kind, layers: int, first: bool, last: bool, in_flight: int, micro: int) -> Estimate:
-        return estimate(self.shape, self._job(kind), layers, first, last, in_flight, kind.device, micro=micro)
+        """A stage's estimate; a whole model (first and last) is trained by the member's backend, a stage by
+        transformers + peft (train/engine.py)."""
+        backend = kind.backend if first and last else "hf"
+        return estimate(self.shape, self._job(kind), layers, first, last, in_flight, kind.device, micro=micro,
+                        backend=backend)  # fmt: skip
 
     def capacity(self, kind: _Kind, first: bool, last: bool, in_flight: int, micro: int) -> tuple[int, float, float]:
         """The most layers such a stage holds within its memory, its estimate with one layer and what each
@@ -368,7 +395,7 @@ class _Planner:
         step = (m + stages - 1) * slowest
         work = layers + self.shape.head_work
         peaks = tuple(one + (n - 1) * step for (one, step), n in zip(lines, chosen, strict=True))
-        return _Pipeline(order, tuple(chosen), peaks, tuple(m * t / step for t in times), m * work / step)
+        return _Pipeline(order, tuple(chosen), peaks, tuple(m * t / step for t in times), m * work / step, micro)
 
     def best_pipeline(self, block: tuple[int, ...], replicas: int, counts: Sequence[int] | None) -> _Pipeline | None:
         """The fastest stage order of a block of kinds (a multiset, as counts per kind)."""
@@ -418,14 +445,23 @@ class _Planner:
                 member = self.members[index]
                 stages.append(Stage(rank=index, host=member.host, start=start, end=start + count,
                                     peak_gib=round(peak, 2), memory_gib=member.memory_gib,
-                                    time_share=round(share, 3)))  # fmt: skip
+                                    time_share=round(share, 3), micro=pipeline.micro))  # fmt: skip
                 start += count
             replicas.append(Replica(stages=tuple(stages), speed=round(pipeline.speed, 4)))
         return Layout(layers=self.shape.layers, replicas=tuple(replicas), reason=reason, head_work=self.shape.head_work)
 
-    def whole(self, index: int) -> Estimate:
+    def whole(self, index: int, micro: int | None = None) -> Estimate:
+        """The whole model on this member, at its micro-batch cap or at ``micro``."""
         kind = self.kinds[self.kind_of[index]]
-        return self.estimate(kind, self.shape.layers, True, True, 1, kind.cap)
+        return self.estimate(kind, self.shape.layers, True, True, 1, micro or kind.cap)
+
+    def largest_micro(self, index: int) -> int:
+        """The largest micro-batch, up to the member's cap, at which the whole model fits it; 0 when none does."""
+        kind = self.kinds[self.kind_of[index]]
+        for micro in range(kind.cap, 0, -1):
+            if self.whole(index, micro).total <= kind.memory:
+                return micro
+        return 0
 
     def cluster_memory(self) -> str:
         """'11.0 + 7.2 + 7.2 = 25.4 GiB'."""
@@ -442,7 +478,7 @@ class _Planner:
         layer = per_layer.weights + per_layer.lora
         quantize = "" if self.job.model.quantization == "4bit" else "quantize (model.quantization: 4bit), "
         parts = (f"weights {whole.weights:.1f} + embedding/head {whole.embedding:.1f} + LoRA/optimizer "
-                 f"{whole.lora:.1f} + activations {whole.activations:.1f} + logits {whole.logits:.1f} + "
+                 f"{whole.lora:.1f} + activations {whole.activations:.1f} + loss {whole.loss:.1f} + "
                  f"{ranks} x {whole.overhead:.1f} overhead")  # fmt: skip
         return PlanError(
             f"{self.what()} needs ~{need:.1f} GiB ({parts}) and the cluster has {self.cluster_memory()}: {why}. "
@@ -548,6 +584,10 @@ def plan(job: JobConfig, shape: ModelShape, members: Sequence[Member]) -> Layout
     parallel = job.parallel
     whole = [planner.whole(i) for i in range(len(members))]
     fits = [w.total <= m.memory_gib for w, m in zip(whole, members, strict=True)]
+    if parallel == "auto" and not all(fits):
+        smaller = _smaller_micro(planner, whole, fits)
+        if smaller is not None:
+            return smaller
     if parallel == "data" or (parallel == "auto" and all(fits)):
         if not all(fits):
             index = next(i for i in planner.sorted[::-1] if not fits[i])
@@ -556,8 +596,8 @@ def plan(job: JobConfig, shape: ModelShape, members: Sequence[Member]) -> Layout
                 f"({whole[index].parts()}) and {members[index].host} has {members[index].memory_gib:.1f} GiB. Use "
                 "parallel: auto (pipeline stages across ranks) or give that host more memory"
             )
-        pipelines = [_Pipeline((planner.kind_of[i],), (layers,), (whole[i].total,), (1.0,), planner.speeds[i])
-                     for i in planner.sorted]  # fmt: skip
+        pipelines = [_Pipeline((planner.kind_of[i],), (layers,), (whole[i].total,), (1.0,), planner.speeds[i],
+                               planner.kinds[planner.kind_of[i]].cap) for i in planner.sorted]  # fmt: skip
         reason = "the whole model fits every rank: data parallel" if parallel == "auto" else "parallel: data"
         return planner.layout(pipelines, f"{reason} (~{max(w.total for w in whole):.1f} GiB a rank)")
     shape.check_pipeline()
@@ -597,6 +637,29 @@ def plan(job: JobConfig, shape: ModelShape, members: Sequence[Member]) -> Layout
             f"{', '.join(dict.fromkeys(short))}: pipelines of up to {stages} stages, the fastest layout that fits"
         )
     return planner.layout(found, reason)
+
+
+def _smaller_micro(planner: _Planner, whole: Sequence[Estimate], fits: Sequence[bool]) -> Layout | None:
+    """Data parallel with smaller micro-batches where the whole model fits every rank only so, else None.
+
+    A smaller micro-batch costs nothing in the planner's time model (a step's work is its tokens, and gradient
+    accumulation keeps the global batch), while stages add the pipeline's bubble and send activations between
+    hosts every micro-batch; so whole replicas at a smaller micro-batch win wherever they fit.
+    """
+    micros = {i: planner.largest_micro(i) for i in planner.sorted}
+    if not all(micros.values()):
+        return None
+    layers = planner.shape.layers
+    pipelines = [_Pipeline((planner.kind_of[i],), (layers,), (planner.whole(i, micros[i]).total,), (1.0,),
+                           planner.speeds[i], micros[i]) for i in planner.sorted]  # fmt: skip
+    short = {planner.members[i].host: (micros[i], planner.kinds[planner.kind_of[i]].cap)
+             for i in planner.sorted if not fits[i]}  # fmt: skip
+    cuts = ", ".join(f"{host} at {micro} instead of {cap}" for host, (micro, cap) in short.items())
+    peak = max(p.peaks[0] for p in pipelines)
+    biggest = max(w.total for w, fit in zip(whole, fits, strict=True) if not fit)
+    return planner.layout(pipelines, f"the whole model (~{biggest:.1f} GiB at the profiles' micro-batches) fits every "
+                                     f"rank at a smaller micro-batch: data parallel, micro-batches {cuts} "
+                                     f"(~{peak:.1f} GiB a rank at most)")  # fmt: skip
 
 
 def _per_host(members: Sequence[Member]) -> dict[str, int]:

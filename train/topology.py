@@ -30,6 +30,7 @@ class Stage:
     peak_gib: float = 0.0  # the planner's estimate of this stage's peak memory
     memory_gib: float = 0.0  # the memory the rank may use (its profile or its device)
     time_share: float = 0.0  # the planner's expected fraction of the replica's step time spent in this stage
+    micro: int = 0  # the micro-batch the planner sized this stage for; below the rank's cap, the rank uses it
 
     @property
     def layers(self) -> range:

@@ -218,12 +218,14 @@ def plan_cmd(
         memory = stageplan.hosts_memory(job, REPO, hosts, hostvars, facts, found_ranks)
         for host in memory:
             console.print(f"[dim]{host.line(job.data.seq_len)}[/]", highlight=False)
+        for host in memory:
+            console.print(f"[dim]{stageplan.whole_estimates(job, REPO, host)}[/]", highlight=False)
         layout = stageplan.plan_cluster(job, REPO, memory)
     except PlanError as exc:
         raise _fail(f"{job_file}: {exc}") from None
     table = Table(title=f"plan of {job_file} on {inventory}{' (offline)' if facts is None else ''}",
                   title_justify="left")  # fmt: skip
-    for column in ("host", "replica", "stage", "layers", "peak / memory", "busy"):
+    for column in ("host", "replica", "stage", "layers", "micro-batch", "peak / memory", "busy"):
         table.add_column(column)
     for row in stageplan.rows(layout):
         table.add_row(*row)

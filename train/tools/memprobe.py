@@ -90,19 +90,21 @@ def probe(job_file: Path, profile: Path | None, host: str, steps: int, code_dir:
         result["peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         result["available_bytes"] = _mem_available()
     result["seconds"] = round(time.monotonic() - start, 2)
-    result["estimate_bytes"] = _estimate_bytes(job, code_dir, "cuda" if cuda else "cpu")
+    result["estimate_bytes"] = _estimate_bytes(job, code_dir, "cuda" if cuda else "cpu", result.get("backend", "hf"))
     return result
 
 
-def _estimate_bytes(job: Any, code_dir: Path, device_kind: str) -> int | None:
-    """What the stage planner (train/stageplan.py) estimates the whole model needs here: the probe checks it."""
+def _estimate_bytes(job: Any, code_dir: Path, device_kind: str, backend: str) -> int | None:
+    """What the stage planner (train/stageplan.py) estimates the whole model needs here, with the backend that
+    loaded it: the probe checks it."""
     from train import stageplan
 
     try:
         shape = stageplan.read_shape(job, code_dir)
     except stageplan.PlanError:
         return None  # a hub model: no local config.json to size it from
-    return int(stageplan.estimate(shape, job, shape.layers, True, True, 1, device_kind).total * stageplan.GIB)
+    found = stageplan.estimate(shape, job, shape.layers, True, True, 1, device_kind, backend=backend)
+    return int(found.total * stageplan.GIB)
 
 
 def main(argv: list[str] | None = None) -> int:

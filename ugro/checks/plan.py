@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from train.config import ConfigError, JobConfig, RankLocalConfig, apply_profile, check_profile
-from train.stageplan import GIB, Member, PlanError, plan, read_shape
+from train.stageplan import GIB, Member, PlanError, estimate, plan, read_shape
 from train.topology import Layout
 
 ROLE_DEFAULTS = ("roles/ugro/defaults/main.yml", "roles/memory_profile/defaults/main.yml")
@@ -132,18 +132,42 @@ def hosts_memory(
     return found
 
 
-def members(hosts: list[HostMemory]) -> list[Member]:
+def backend(job: JobConfig, device: str) -> str:
+    """What trains the whole model on a host with this device, as its ranks will resolve it: unsloth on a GPU host
+    unless the job says ``model.backend: hf`` (a GPU host's lock carries unsloth: requirements/gpu.in)."""
+    return "unsloth" if device == "cuda" and job.model.backend != "hf" else "hf"
+
+
+def members(job: JobConfig, hosts: list[HostMemory]) -> list[Member]:
     """The ranks in launch order (a host's ranks together), as the planner takes them."""
-    return [Member(h.host, h.memory_gib, 1.0, h.device, h.rank_local) for h in hosts for _ in range(h.ranks)]
+    return [Member(h.host, h.memory_gib, 1.0, h.device, h.rank_local, backend(job, h.device))
+            for h in hosts for _ in range(h.ranks)]  # fmt: skip
 
 
 def plan_cluster(job: JobConfig, repo: Path, hosts: list[HostMemory]) -> Layout:
     """The layout for these hosts (PlanError with the arithmetic when nothing fits)."""
-    return plan(job, read_shape(job, repo), members(hosts))
+    return plan(job, read_shape(job, repo), members(job, hosts))
 
 
-def rows(layout: Layout) -> list[tuple[str, str, str, str, str, str]]:
-    """Per rank, sorted by host: host, replica, stage, layers, peak vs memory, share of the step time."""
+def whole_estimates(job: JobConfig, repo: Path, host: HostMemory) -> str:
+    """'the whole model at micro-batch 2: ~7.3 GiB with unsloth (weights 3.3 + ...), ~9.5 GiB with transformers +
+    peft (...)': what each backend would need on this host at its profile's micro-batch."""
+    shape = read_shape(job, repo)
+    micro = host.rank_local.cap(job.data.seq_len)
+    local = job.model_copy(update={"rank_local": host.rank_local})
+    names = {"unsloth": "unsloth", "hf": "transformers + peft"}
+    backends = ["unsloth", "hf"] if host.device == "cuda" else ["hf"]
+    parts = []
+    for name in backends:
+        found = estimate(shape, local, shape.layers, True, True, 1, host.device, micro=micro, backend=name)
+        used = ", this job's backend" if name == backend(job, host.device) else ""
+        parts.append(f"~{found.total:.1f} GiB with {names[name]}{used} ({found.parts()})")
+    return f"{host.host}: the whole model at micro-batch {micro}: " + "; ".join(parts)
+
+
+def rows(layout: Layout) -> list[tuple[str, str, str, str, str, str, str]]:
+    """Per rank, sorted by host: host, replica, stage, layers, micro-batch, peak vs memory, share of the step
+    time."""
     found = []
     for index, replica in enumerate(layout.replicas):
         for position, stage in enumerate(replica.stages):
@@ -153,6 +177,7 @@ def rows(layout: Layout) -> list[tuple[str, str, str, str, str, str]]:
                 str(index),
                 what,
                 f"{stage.start}-{stage.end - 1} ({stage.end - stage.start})",
+                str(stage.micro) if stage.micro else "",
                 f"{stage.peak_gib:.1f} / {stage.memory_gib:.1f} GiB",
                 f"{stage.time_share:.0%}",
             ))  # fmt: skip
