@@ -281,3 +281,11 @@ def test_make_train_refuses_a_model_the_hosts_cannot_hold_before_launch(capsys: 
     assert "llama-3-70b (80 layers, 4-bit) needs ~" in flat and "even cut into stages" in flat, flat
     default = REPO / "jobs" / "default.yaml"
     ugro_cli._plan_before_launch(inventory, load_job(default), default, facts, {"localhost": 2})
+    # The reference cluster as its GPUs answer: the 8B job launches data parallel, and says which rank's
+    # micro-batch is smaller than its profile's.
+    capsys.readouterr()
+    cards = {"master": 12227, "node4070": 8188, "node3070": 8192}
+    gpu_facts: dict[str, dict[str, object]] = {h: {"gpu": {"gpus": [{"memory_mib": m}]}} for h, m in cards.items()}
+    ugro_cli._plan_before_launch(REPO / REFERENCE, load_job(LLAMA8), LLAMA8, gpu_facts, dict.fromkeys(cards, 1))
+    said = " ".join(capsys.readouterr().out.split())
+    assert "data parallel, micro-batches node4070 at 1 instead of 2" in said, said

@@ -385,8 +385,12 @@ def _plan_before_launch(
         layout = stageplan.plan_cluster(job, REPO, memory)
     except PlanError as exc:
         raise _fail(f"{job_file}: {exc}", code=2) from None
+    caps = {h.host: h.rank_local.cap(job.data.seq_len) for h in memory}
+    smaller = any(0 < s.micro < caps[s.host] for r in layout.replicas for s in r.stages)
     if layout.pipelined:
         console.print(f"[dim]plan: {layout.describe()} ({layout.reason}; make plan shows it all)[/]", highlight=False)
+    elif smaller:
+        console.print(f"[dim]plan: {layout.reason} (make plan shows it all)[/]", highlight=False)
 
 
 def _fast_preflight(
