@@ -13,13 +13,14 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: role-docs export chat train preflight doctor status logs stop validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-launch bench-rank-start bench-4bit bench-headloss bench-pipeline bench-pipeline-cluster
+.PHONY: role-docs export chat train preflight doctor status logs stop follow validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-launch bench-rank-start bench-4bit bench-headloss bench-pipeline bench-pipeline-cluster
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
 	@echo "make preflight [JOB=...] [INVENTORY=...] [JSON=1]   check every host before a launch (make train runs the fast checks; SKIP_PREFLIGHT=1 skips them)"
 	@echo "make doctor [JOB_ID=...]   explain a failed run from its collected logs: host, cause, fix"
 	@echo "make status|logs|stop [INVENTORY=...] [JOB_ID=...]   the newest job (runs/latest) by default"
+	@echo "make follow [JOB_ID=...]   follow a running job again after Ctrl-C, a closed terminal or a dead controller"
 	@echo "make test            the whole test suite (ansible-lint, ruff, mypy, pytest, Molecule; root for the test cluster)"
 	@echo "make test-fast       the fast tier: ruff and the unit tests (no cluster, ranks, Ansible or network; < 3 min)"
 	@echo "make bench           balanced vs equal vs ideal on 3 emulated unequal ranks; trainer vs a bare loop"
@@ -75,6 +76,10 @@ doctor: venv
 
 status logs stop: venv
 	$(UGRO) $@ --inventory $(INVENTORY) $(if $(JOB_ID),--job-id $(JOB_ID))
+
+# Follow a running job again after Ctrl-C, a closed terminal or a controller that died (docs/recovery.md).
+follow: venv
+	$(UGRO) follow $(if $(JOB_ID),--job-id $(JOB_ID))
 
 # The run's adapter merged into its base model (runs/<job-id>/merged), checked against base + adapter.
 export: venv

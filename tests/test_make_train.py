@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from helpers import RUNS_ENV, Run, cli, copy_checkout, free_port, runs_dir, small_job
+from helpers import PYTHON, RUNS_ENV, Run, cli, copy_checkout, free_port, run_env, runs_dir, small_job
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +134,64 @@ def test_a_missing_inventory_is_named(job_file: Path) -> None:
     result = cli("train", "--job", str(job_file), "--inventory", "inventory/nope.yml")
     assert result.returncode == 2
     assert "inventory/nope.yml: inventory not found" in result.stderr
+
+
+def test_ctrl_c_detaches_the_run_goes_on_and_make_follow_takes_it_up_to_its_end(
+    checkout: Path, job_file: Path, inventory: Path
+) -> None:
+    """Ctrl-C while `make train` follows (SIGINT to its process group, as a terminal sends it) leaves the job
+    running on its host; `make status` says no controller follows it, and `make follow` follows it to its end and
+    collects its results. (ansible-runner once took SIGINT for itself: Ctrl-C then only cancelled the playbook in
+    flight and the controller kept following.)"""
+    job_file.write_text(yaml.safe_dump(small_job(name=job_file.stem, train={"max_steps": 50}), sort_keys=False))
+    at = _in(checkout)
+    env = run_env() | {"PYTHONPATH": str(checkout), "SKIP_PREFLIGHT": "1"} | at["env"]
+    log = checkout / f"{job_file.stem}.follow.log"
+    with open(log, "w") as out:
+        follower = subprocess.Popen(
+            [PYTHON, "-m", "ugro.cli", "train", "--job", str(job_file.relative_to(checkout)), "--inventory",
+             str(inventory)], cwd=checkout, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        run_dir = _wait_for_steps(checkout / "runs", job_file.stem, 3, follower)
+        assert (run_dir / ".control" / "follower.json").is_file()
+        os.killpg(follower.pid, signal.SIGINT)
+        assert follower.wait(timeout=60) == 130, log.read_text()
+        said = " ".join(log.read_text().split())
+        assert "detached" in said and f"make follow JOB_ID={run_dir.name}" in said, said
+        step = _step(run_dir)
+        status = cli("status", "--inventory", str(inventory), "--job-id", run_dir.name, timeout=120, **at)
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "no controller follows this run" in " ".join(status.stdout.split()), status.stdout
+        assert _step(run_dir) > step or json.loads((run_dir / "run.json").read_text())["state"] == "finished"
+
+        followed = cli("follow", "--job-id", run_dir.name, timeout=400, **at)
+        assert followed.returncode == 0, followed.stdout + followed.stderr
+        assert f"following job {run_dir.name}" in " ".join(followed.stdout.split()), followed.stdout
+        record = json.loads((run_dir / "run.json").read_text())
+        assert record["state"] == "finished" and record["step"] == 50, record
+        assert (run_dir / "logs").is_dir() and not (run_dir / ".control" / "follower.json").exists()
+    finally:
+        if follower.poll() is None:
+            os.killpg(follower.pid, signal.SIGKILL)
+            follower.wait()
+        cli("stop", "--inventory", str(inventory), timeout=120, **at)
+
+
+def _step(run_dir: Path) -> int:
+    try:
+        return int(json.loads((run_dir / "run.json").read_text()).get("step") or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _wait_for_steps(runs: Path, name: str, steps: int, follower: subprocess.Popen[str]) -> Path:
+    """The run of job ``name`` in ``runs`` once its ranks are past ``steps`` steps (while ``follower`` follows)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert follower.poll() is None, f"the follower ended with {follower.returncode} before step {steps}"
+        found = sorted(runs.glob(f"{name}-*"))
+        if found and _step(found[-1]) >= steps:
+            return found[-1]
+        time.sleep(0.5)
+    raise AssertionError(f"no run of {name} reached step {steps} in 300 s")

@@ -112,6 +112,14 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
             follower.kill()
             raise AssertionError(f"tb1 and tb3 did not regroup: {records}\n{follower.communicate()[0][-5000:]}")
         weights = [r["regrouped"]["weights"] for r in records.values()]
+        # The controller's record has both restarts while the run goes on (a controller that re-attaches reads it).
+        supervision = runs_dir() / job_id / ".control" / "supervision.json"
+        deadline = time.monotonic() + 30
+        while len(json.loads(supervision.read_text())["restarts"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        so_far = json.loads(supervision.read_text())
+        assert [r["cause"]["host"] for r in so_far["restarts"]] == ["tb3", "tb2"], so_far
+        assert so_far["hosts"] == ["tb1", "tb3"] and so_far["rendezvous"] == "tb1", so_far
         tb.set_link(testbed.dir, "tb1", up=False)
         deadline = time.monotonic() + 240
         while _generation(testbed, job_id, "tb3") < 2:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -36,8 +37,8 @@ from ugro.hosts import codesync
 from ugro.hosts.inventory import InventoryError, read_cluster
 from ugro.hosts.playbook import REPO, RUNS_ENV, PlaybookRun, run_playbook, runs_dir
 from ugro.model.jsonfile import read_object
-from ugro.run import phases
-from ugro.run.supervisor import LaunchError, Supervisor
+from ugro.run import attach, phases
+from ugro.run.supervisor import LaunchError, Outcome, Supervisor
 from ugro.schedulers import render as schedulers
 from ugro.stack import cuda as stack
 
@@ -314,25 +315,85 @@ def train(
         f"{job.train.global_batch_size}{' over ' + ranks.describe(planned) if planned else ''}, "
         f"model {job.model.source}, code {code_hash[:12]}"
     )
-    supervisor = Supervisor(job, cluster, inventory, run_dir, extravars, console, poll if cluster.remote else 1.0,
+    poll_s = poll if cluster.remote else 1.0
+    attach.Launch(str(job_file.resolve()), str(inventory.resolve()), extravars, poll_s).write(run_dir)
+    supervisor = Supervisor(job, cluster, inventory, run_dir, extravars, console, poll_s,
                             on_task=lambda name: console.print(f"[dim]- {name}[/]", highlight=False))  # fmt: skip
     try:
-        outcome = supervisor.run(resume == "auto", on_started=lambda: _latest_link(run_dir))
+        with attach.following(run_dir):
+            outcome = supervisor.run(resume == "auto", on_started=lambda: _latest_link(run_dir))
     except LaunchError as exc:
         if resume == "none" and not (run_dir / "hosts").exists():
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing started: leave no empty run behind
         raise _launch_failed(exc.run, "launch") from None
     except KeyboardInterrupt:
-        console.print(f"\ndetached: job {job_id} keeps running; `make status`, `make logs`, `make stop`")
-        raise typer.Exit(130) from None
-    collect = {"ugro_job_id": job_id, "ugro_rendezvous_host": outcome.main, "ugro_runs_dir": str(runs)}
-    run_playbook("logs.yml", inventory, collect, control / "ansible", limit=outcome.hosts)
-    outcome.record().write(run_dir)
+        raise _detached(job_id) from None
+    _conclude(outcome, inventory, run_dir)
     # The first main rank's, as a poll saw them, else as collected with the logs.
     ranks_phases = supervisor.ranks_phases or read_object(run_dir / "run.json").get("phases")
     seconds = timing.seconds(supervisor.first_launch, ranks_phases if isinstance(ranks_phases, dict) else None)
     write_status(run_dir, launch_phases=seconds)
     console.print(f"[dim]to the first step: {phases.line(seconds)}[/]", highlight=False)
+    _report(outcome, run_dir)
+
+
+@app.command()
+def follow(
+    job_id: JobIdOpt = None,
+    poll: Annotated[float | None, typer.Option(help="seconds between status polls (default: the launch's)")] = None,
+) -> None:
+    """Follow a running job again (after Ctrl-C, a closed terminal or a controller that died): its progress and
+    faults, and what only a controller does: relaunching after a fault, copying checkpoints and results here."""
+    job_id = _job_id(job_id)
+    run_dir = runs_dir() / job_id
+    launch = attach.Launch.read(run_dir)
+    if launch is None:
+        raise _fail(f"{run_dir}: no launch record (.control/launch.json): `make follow` takes up runs that "
+                    "`make train` launched from this checkout")  # fmt: skip
+    live = attach.follower(run_dir)
+    if live is not None:
+        since = time.strftime("%H:%M:%S", time.localtime(float(live.get("since") or 0)))
+        raise _fail(f"job {job_id} is followed already: process {live.get('pid')} on {live.get('machine')} since "
+                    f"{since}; end that one (Ctrl-C) or follow from there")  # fmt: skip
+    job = _load(Path(launch.job_file))
+    inventory = Path(launch.inventory)
+    if not inventory.is_file():
+        raise _fail(f"{inventory}: the run's inventory is gone; put it back to follow job {job_id}")
+    try:
+        cluster = read_cluster(inventory)
+    except InventoryError as exc:
+        raise _fail(str(exc)) from None
+    left = attach.Supervision.read(run_dir) or attach.Supervision(list(cluster.hosts), cluster.rendezvous, [], [])
+    console.print(f"following job [bold]{job_id}[/] on {', '.join(left.hosts)} (rendezvous {left.main}); "
+                  f"{len(left.restarts)} restart(s) so far", highlight=False)  # fmt: skip
+    for restart in left.restarts:
+        console.print(f"[yellow]{restart.line()}[/]", highlight=False)
+    supervisor = Supervisor(job, cluster, inventory, run_dir, launch.extravars, console, poll or launch.poll_s)
+    try:
+        with attach.following(run_dir):
+            outcome = supervisor.run(False, attached=left)
+    except KeyboardInterrupt:
+        raise _detached(job_id) from None
+    _conclude(outcome, inventory, run_dir)
+    _report(outcome, run_dir)
+
+
+def _detached(job_id: str) -> typer.Exit:
+    """Ctrl-C while following: the hosts go on; say how to take the run up again."""
+    console.print(f"\ndetached: job {job_id} keeps running on its hosts; `make follow JOB_ID={job_id}` follows it "
+                  "again (and relaunches after a fault), `make status`, `make stop`", highlight=False)  # fmt: skip
+    return typer.Exit(130)
+
+
+def _conclude(outcome: Outcome, inventory: Path, run_dir: Path) -> None:
+    """The run ended: its logs and results from every host it ended on, and the controller's record."""
+    collect = {"ugro_job_id": run_dir.name, "ugro_rendezvous_host": outcome.main, "ugro_runs_dir": str(runs_dir())}
+    run_playbook("logs.yml", inventory, collect, run_dir / ".control" / "ansible", limit=outcome.hosts)
+    outcome.record().write(run_dir)
+
+
+def _report(outcome: Outcome, run_dir: Path) -> None:
+    """Every restart, and the cause of a run that did not finish (exit 1), else the run's summary."""
     for restart in outcome.restarts:
         console.print(f"[yellow]{restart.line()}[/]", highlight=False)
     if outcome.state != "finished":
@@ -571,10 +632,28 @@ def status(
                       f"{s['tokens_per_s']:.0f}" if "tokens_per_s" in s else "", computes,
                       " ".join(str(p) for p in s.get("pids", {}).values()))  # fmt: skip
     console.print(table)
+    _follower_line(runs_dir() / job_id)
     for host, message in run.failures.items():
         err.print(f"[bold red]{host}:[/] {message}", highlight=False)
     if run.failures:
         raise typer.Exit(1)
+
+
+def _follower_line(run_dir: Path) -> None:
+    """Whether a controller follows the run (and so relaunches it after a fault), for a run `make train` launched."""
+    if attach.Launch.read(run_dir) is None:
+        return
+    live = attach.follower(run_dir)
+    if live is not None:
+        since = time.strftime("%H:%M:%S", time.localtime(float(live.get("since") or 0)))
+        console.print(f"followed by the controller: process {live.get('pid')} on {live.get('machine')} since {since}",
+                      highlight=False)  # fmt: skip
+        return
+    state = str(read_object(run_dir / "run.json").get("state") or "")
+    if state in ("finished", "failed", "stopped") and (run_dir / "logs").is_dir():
+        return  # over, and its results collected
+    console.print(f"[yellow]no controller follows this run[/]: a fault now waits for one; `make follow "
+                  f"JOB_ID={run_dir.name}` takes it up", highlight=False)  # fmt: skip
 
 
 @app.command()

@@ -153,8 +153,12 @@ def start_playbook(
         rotate_artifacts=3,
         event_handler=on_event,
         finished_callback=forget_environment,
-        # ansible-runner asks the cancel callback each time it stops waiting for output: every 0.2 s, not 5.
-        **({"cancel_callback": lambda: enough(run), "settings": {"pexpect_timeout": 0.2}} if enough else {}),
+        # Always a cancel callback: without one, ansible-runner installs its own SIGINT and SIGTERM handlers in
+        # this process, and Ctrl-C (or a SIGTERM) then only cancels the playbook in flight instead of reaching the
+        # controller (`make train` would not detach). It asks the callback each time it stops waiting for output:
+        # with ``enough``, every 0.2 s, not 5.
+        cancel_callback=(lambda: enough(run)) if enough else (lambda: False),
+        **({"settings": {"pexpect_timeout": 0.2}} if enough else {}),
     )
     return run
 

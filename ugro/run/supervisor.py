@@ -27,6 +27,7 @@ from ugro.hosts.playbook import PlaybookRun, run_playbook
 from ugro.monitoring import monitor
 from ugro.monitoring.jobstates import ExporterStates
 from ugro.run import recovery, replicas
+from ugro.run.attach import Supervision
 from ugro.run.follow import ENDED, START_POLL_S, Pacer, RemoteSource, Statuses, follow, local_source
 from ugro.run.records import Cause, Restart, RunRecord
 
@@ -163,8 +164,12 @@ class Supervisor:
             seen["step"] = max(seen["step"], int(main_status.get("step") or 0))
             if self.ranks_phases is None and isinstance(main_status.get("phases"), dict):
                 self.ranks_phases = dict(main_status["phases"])
-            if self.restarts and not self.restarts[-1].settled:
-                self._settle_when_seen(statuses, main, attempt, generation)
+            if (
+                self.restarts
+                and not self.restarts[-1].settled
+                and self._settle_when_seen(statuses, main, attempt, generation)
+            ):
+                self._record(hosts, main)  # the restart's figures, as soon as the ranks' record gives them
             if self.cluster.remote and main_status.get("state") == "running":
                 self._replicate(main, main_status, hosts)
             seen["verdict"] = watch.verdict(statuses)
@@ -222,13 +227,25 @@ class Supervisor:
         run = run_playbook("stop.yml", self.inventory, extravars, self.private, limit=hosts)
         return dict(run.failures)
 
-    def run(self, resume: bool, on_started: Callable[[], None] | None = None) -> Outcome:
+    def _record(self, hosts: list[str], main: str) -> None:
+        """The controller's record as it goes (ugro/run/attach.py): a controller that re-attaches continues it."""
+        Supervision(hosts, main, self.restarts, self.copy_failures).write(self.run_dir)
+
+    def run(
+        self, resume: bool, on_started: Callable[[], None] | None = None, attached: Supervision | None = None
+    ) -> Outcome:
         """Launch, follow and recover until the run finishes, is stopped, or fails for good.
-        Raises LaunchError if the first launch fails (nothing ran); ``on_started`` runs once it started."""
+        Raises LaunchError if the first launch fails (nothing ran); ``on_started`` runs once it started. With
+        ``attached`` (`make follow`), the run is already launched: follow it from where that record left it."""
         hosts, main = list(self.cluster.hosts), self.cluster.rendezvous
         attempt, generation, relaunch = 0, 0, True
-        if resume:
+        if attached is not None:
+            hosts, main, relaunch = list(attached.hosts), attached.main, False
+            attempt, generation = attached.attempt, attached.generation
+            self.restarts, self.copy_failures = list(attached.restarts), list(attached.copy_failures)
+        elif resume:
             self.copies.place(hosts, main)
+        self._record(hosts, main)
         while True:
             self._members = set(hosts)  # after a regroup: a copy under way with a lost host is given up
             began = time.time()
@@ -283,6 +300,7 @@ class Supervisor:
                         highlight=False,
                     )
                     hosts, main, relaunch = survivors, kept, False
+                    self._record(hosts, main)
                     continue
                 self.console.print(f"[yellow]regroup not possible, relaunching:[/] {unanswered}", highlight=False)
             self._copies_settled([h for h in hosts if h not in gone])
@@ -327,6 +345,7 @@ class Supervisor:
                 highlight=False,
             )
             hosts, main = candidates, new_main
+            self._record(hosts, main)
 
     def _give_up(self, cause: Cause) -> str | None:
         if cause.kind in recovery.NOT_RESTARTABLE:
