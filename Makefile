@@ -16,7 +16,7 @@ BENCH_ARGS ?=
 .PHONY: role-docs export chat train preflight doctor status logs stop follow validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-launch bench-rank-start bench-4bit bench-headloss bench-pipeline bench-pipeline-cluster
 
 help:
-	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto]"
+	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto] [SET=\"optim.lr=1e-4 train.max_steps=200\"]"
 	@echo "make preflight [JOB=...] [INVENTORY=...] [JSON=1]   check every host before a launch (make train runs the fast checks; SKIP_PREFLIGHT=1 skips them)"
 	@echo "make doctor [JOB_ID=...]   explain a failed run from its collected logs: host, cause, fix"
 	@echo "make status|logs|stop [INVENTORY=...] [JOB_ID=...]   the newest job (runs/latest) by default"
@@ -65,8 +65,11 @@ $(VENV)/.installed: $(wildcard $(LOCKS)) requirements/locks/uv.txt pyproject.tom
 
 venv: $(VENV)/.installed
 
+# SET="optim.lr=1e-4 train.max_steps=200": keys of the job laid over the job file (ugro/run/settings.py).
+SET_ARGS = $(foreach setting,$(SET),--set '$(setting)')
+
 train: venv
-	$(UGRO) train --job $(JOB) --inventory $(INVENTORY) --resume $(RESUME)
+	$(UGRO) train --job $(JOB) --inventory $(INVENTORY) --resume $(RESUME) $(SET_ARGS)
 
 preflight: venv
 	$(UGRO) preflight --job $(JOB) --inventory $(INVENTORY) $(if $(JSON),--json)
@@ -90,11 +93,11 @@ chat: venv
 	$(UGRO) chat $(if $(JOB_ID),--job-id $(JOB_ID))
 
 validate: venv
-	$(UGRO) validate --job $(JOB) $(if $(filter-out file,$(origin INVENTORY)),--inventory $(INVENTORY))
+	$(UGRO) validate --job $(JOB) $(if $(filter-out file,$(origin INVENTORY)),--inventory $(INVENTORY)) $(SET_ARGS)
 
 # Which host holds which layers (docs/pipeline.md); OFFLINE=1: from the inventory alone, without the hosts.
 plan: venv
-	$(UGRO) plan --job $(JOB) --inventory $(INVENTORY) $(if $(OFFLINE),--offline)
+	$(UGRO) plan --job $(JOB) --inventory $(INVENTORY) $(if $(OFFLINE),--offline) $(SET_ARGS)
 
 # The same job under a batch scheduler (docs/schedulers.md): an sbatch script in runs/<job-id>/slurm/
 # (submit it with sbatch), or a Kubernetes manifest in runs/<job-id>/k8s/. NODES: SLURM nodes, or pods (a

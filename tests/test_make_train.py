@@ -62,11 +62,15 @@ def test_the_documented_make_lines_work_as_typed_on_a_real_run(
     # A token in the user's shell, as many have one: it must not end up in the run's files (docs/security.md).
     secret = f"hf_{free_port()}NotForTheRunDirectory"
     at = _in(checkout)
-    result = make("train", job, inv, cwd=at["cwd"], env=at["env"] | {"HF_TOKEN": secret})
+    # Two settings over the job file, typed as the README shows (the job file itself says lr 3e-3, r 16).
+    setting = "SET=optim.lr=2e-3 lora.r=4"
+    result = make("train", job, inv, setting, cwd=at["cwd"], env=at["env"] | {"HF_TOKEN": secret})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "run finished:" in result.stdout
     run_dir = Path(result.stdout.split("run finished:")[1].split()[0])
     assert run_dir.parent == checkout / "runs"
+    trained = json.loads((run_dir / "run.json").read_text())["job"]  # the job as the main rank ran it
+    assert (trained["optim"]["lr"], trained["lora"]["r"]) == (2e-3, 4), trained
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 20 and rows[-1]["loss"] < rows[0]["loss"]
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()

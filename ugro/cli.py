@@ -37,7 +37,7 @@ from ugro.hosts import codesync
 from ugro.hosts.inventory import InventoryError, read_cluster
 from ugro.hosts.playbook import REPO, RUNS_ENV, PlaybookRun, run_playbook, runs_dir
 from ugro.model.jsonfile import read_object
-from ugro.run import attach, phases
+from ugro.run import attach, phases, settings
 from ugro.run.supervisor import LaunchError, Outcome, Supervisor
 from ugro.schedulers import render as schedulers
 from ugro.stack import cuda as stack
@@ -52,6 +52,9 @@ err = Console(stderr=True)
 JobOpt = Annotated[Path, typer.Option("--job", help="job file (YAML)")]
 InventoryOpt = Annotated[Path, typer.Option("--inventory", "-i", help="Ansible inventory of the cluster")]
 JobIdOpt = Annotated[str | None, typer.Option(help="job id (default: runs/latest)")]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="KEY=VALUE over the job file, e.g. optim.lr=1e-4 (repeatable)")
+]
 MinFreeOpt = Annotated[float, typer.Option(envvar="MIN_FREE_GB", help="GiB free needed on the rendezvous host")]
 BusbwOpt = Annotated[float, typer.Option(envvar="BUSBW_FLOOR", help="all-reduce busbw floor, GB/s (WARN below)")]
 
@@ -72,6 +75,19 @@ def _checked(job_file: Path) -> tuple[JobConfig, jobcheck.DataSummary]:
 
 def _load(job_file: Path) -> JobConfig:
     return _checked(job_file)[0]
+
+
+def _set(job_file: Path, setting: list[str] | None) -> Path:
+    """The job file to use: ``job_file``, or with SET= settings laid over it, their own (ugro/run/settings.py)."""
+    if not setting:
+        return job_file
+    try:
+        path, _ = settings.job_with(job_file, setting, REPO)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    shown = path.relative_to(REPO)
+    console.print(f"[dim]{job_file} with {' '.join(setting)}: {shown}[/]", highlight=False)
+    return shown if Path.cwd().resolve() == REPO.resolve() else path
 
 
 def _prepare_model(job: JobConfig) -> None:
@@ -163,9 +179,11 @@ def validate(
     inventory: Annotated[
         Path | None, typer.Option("--inventory", "-i", help="also run make train's fast checks on its hosts")
     ] = None,
+    setting: SetOpt = None,
 ) -> None:
     """Check a job file, print its cluster-wide hash and which backend it runs where; with an inventory, also
     what make train checks on its hosts first (the fast preflight, and the global batch against the ranks)."""
+    job_file = _set(job_file, setting)
     job, data = _checked(job_file)
     _check_targets(job)  # a base still in its wheel is converted by make train, not here: nothing downloads
     held = f", {data.eval_records} held-out" if job.eval else ""
@@ -190,9 +208,11 @@ def plan_cmd(
     offline: Annotated[
         bool, typer.Option("--offline", help="from the inventory alone (profiles' memory_gib), without the hosts")
     ] = False,
+    setting: SetOpt = None,
 ) -> None:
     """Show which rank holds which layers: data parallel where the model fits every rank, else pipeline stages
     sized to each host's memory and speed; exit 2 with the arithmetic when the model fits nowhere."""
+    job_file = _set(job_file, setting)
     job = _load(job_file)
     _convert_model(job)
     if not inventory.is_file():
@@ -273,12 +293,14 @@ def train(
     skip_preflight: Annotated[
         bool, typer.Option("--skip-preflight", envvar="SKIP_PREFLIGHT", help="launch even when a fast check FAILs")
     ] = False,
+    setting: SetOpt = None,
 ) -> None:
     """Sync the code, launch the job on every host of the inventory, and follow it to the end."""
     timing = phases.Phases()
     timing.mark("controller start")
     if resume not in ("none", "auto"):
         raise _fail(f"--resume must be 'none' or 'auto', not '{resume}'")
+    job_file = _set(job_file, setting)
     job = _load(job_file)
     if not inventory.is_file():
         raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
