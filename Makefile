@@ -36,7 +36,7 @@ help:
 	@echo "make chat [JOB_ID=...]     talk to a run's model in the terminal (/base, /tuned, /reset, /quit)"
 	@echo "make dashboard [INVENTORY=...]   live view of every node's exporter (GPUs, job, loss, per-rank balance); q quits"
 	@echo "make prometheus-config [INVENTORY=...]   runs/monitoring/prometheus.yml: a Prometheus scrape config of every exporter"
-	@echo "make validate [JOB=...] [INVENTORY=...]   check a job file (and with INVENTORY, its hosts and ranks) without starting anything"
+	@echo "make validate [JOB=...] [INVENTORY=...] [SHOW=2]   check a job file and its data (rows, steps an epoch; SHOW: rows with the trained tokens marked), with INVENTORY its hosts and ranks, without starting anything"
 	@echo "make plan [JOB=...] [INVENTORY=...] [OFFLINE=1]   which host holds which layers: data parallel or pipeline stages, with memory estimates"
 	@echo "make slurm-script [JOB=...] [NODES=2] [RESUME=auto] [SLURM_ARGS=...]   an sbatch script for the job (runs/<job-id>/slurm/)"
 	@echo "make k8s-manifest [JOB=...] [NODES=2|gpu_12gb=1,gpu_8gb=2] [K8S_ARGS=...]   a Kubernetes manifest: indexed Jobs + headless Service"
@@ -93,7 +93,7 @@ chat: venv
 	$(UGRO) chat $(if $(JOB_ID),--job-id $(JOB_ID))
 
 validate: venv
-	$(UGRO) validate --job $(JOB) $(if $(filter-out file,$(origin INVENTORY)),--inventory $(INVENTORY)) $(SET_ARGS)
+	$(UGRO) validate --job $(JOB) $(if $(filter-out file,$(origin INVENTORY)),--inventory $(INVENTORY)) $(SET_ARGS) $(if $(SHOW),--show $(SHOW))
 
 # Which host holds which layers (docs/pipeline.md); OFFLINE=1: from the inventory alone, without the hosts.
 plan: venv

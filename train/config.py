@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -106,7 +107,13 @@ class ScheduleConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    max_steps: int = Field(100, gt=0)
+    max_steps: int = Field(100, gt=0, description="Optimizer steps of the run (or give train.epochs instead).")
+    epochs: float | None = Field(
+        None,
+        gt=0,
+        description="Passes over the training rows (after packing) instead of train.max_steps: the run takes "
+        "ceil(epochs x rows / global_batch_size) steps; `make validate` prints the steps of one epoch.",
+    )
     global_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step, summed over all ranks.")
     seed: int = 1234
     log_every: int = Field(5, gt=0)
@@ -283,7 +290,9 @@ class JobConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> JobConfig:
-        if self.schedule.warmup_steps >= self.train.max_steps:
+        if self.train.epochs is not None and "max_steps" in self.train.model_fields_set:
+            raise ValueError("train.max_steps and train.epochs both say how long to train: give one of them")
+        if self.train.epochs is None and self.schedule.warmup_steps >= self.train.max_steps:
             raise ValueError(
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be smaller than "
                 f"train.max_steps ({self.train.max_steps})"
@@ -292,6 +301,24 @@ class JobConfig(_Strict):
         if problem:
             raise ValueError(problem)
         return self
+
+    def steps_per_epoch(self, rows: int) -> float:
+        """Optimizer steps in one pass over ``rows`` training rows."""
+        return rows / self.train.global_batch_size
+
+    def for_rows(self, rows: int) -> JobConfig:
+        """The job with its length in steps: with ``train.epochs``, ceil(epochs x rows / global batch) (ConfigError
+        when the warm-up does not fit them); else the job as it is."""
+        if self.train.epochs is None:
+            return self
+        steps = max(1, math.ceil(self.train.epochs * self.steps_per_epoch(rows) - 1e-9))
+        if self.schedule.warmup_steps >= steps:
+            raise ConfigError(
+                f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be smaller than the run's {steps} steps "
+                f"(train.epochs {self.train.epochs:g} of {rows} rows at a global batch of "
+                f"{self.train.global_batch_size}); lower the warm-up or train more epochs"
+            )
+        return self.model_copy(update={"train": self.train.model_copy(update={"max_steps": steps})})
 
     @property
     def micro_batch_cap(self) -> int:

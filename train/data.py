@@ -176,14 +176,14 @@ def build_blocks(examples: list[Example], cfg: DataConfig, pad_id: int) -> Block
     return Blocks(ids, labels, mask, records)
 
 
-def _pad_id(tokenizer: Any) -> int:
+def pad_id(tokenizer: Any) -> int:
     return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
 
 
 def prepare(cfg: DataConfig, tokenizer: Any, base_dir: Path) -> Blocks:
     """The training blocks every rank builds identically."""
     records = load_records(cfg.source, base_dir, cfg.split, fmt=cfg.format)
-    return build_blocks(tokenize(records, cfg, tokenizer), cfg, _pad_id(tokenizer))
+    return build_blocks(tokenize(records, cfg, tokenizer), cfg, pad_id(tokenizer))
 
 
 def prepare_eval(source: str, cfg: DataConfig, tokenizer: Any, base_dir: Path) -> tuple[list[Record], Blocks]:
@@ -191,4 +191,4 @@ def prepare_eval(source: str, cfg: DataConfig, tokenizer: Any, base_dir: Path) -
     as many as a text document fills, so that its held-out loss counts every token."""
     records = load_records(source, base_dir, cfg.split, key="eval.source", fmt=cfg.format)
     unpacked = cfg.model_copy(update={"packing": False})
-    return records, build_blocks(tokenize(records, cfg, tokenizer), unpacked, _pad_id(tokenizer))
+    return records, build_blocks(tokenize(records, cfg, tokenizer), unpacked, pad_id(tokenizer))

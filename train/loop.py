@@ -62,6 +62,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     trainer = engine.build(job, info, code_dir, layout, run_dir)  # a whole replica, or this rank's stage
     tokenizer, backend = trainer.tokenizer, trainer.backend
     blocks = prepare(job.data, tokenizer, code_dir)
+    job = job.for_rows(len(blocks))  # train.epochs: the run's length in steps, from the rows every rank built
     held_out = evaluate.load(job, tokenizer, code_dir)
     data = _data_facts(job, code_dir, blocks.records, held_out) if info.is_main else None  # hashing: inside the wait
     # Loading takes each host its own time; from here on collectives wait at most distributed.timeout_s.

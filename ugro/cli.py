@@ -29,7 +29,7 @@ from rich.table import Table
 from train.config import ConfigError, JobConfig, load_job
 from train.metrics import read_eval, read_metrics, read_samples, write_status
 from train.stageplan import PlanError
-from ugro.checks import doctor, jobcheck, ranks
+from ugro.checks import datafacts, doctor, jobcheck, ranks
 from ugro.checks import plan as stageplan
 from ugro.checks import preflight as preflight_run
 from ugro.checks.preflight_checks import Thresholds, lock_cuda
@@ -75,6 +75,15 @@ def _checked(job_file: Path) -> tuple[JobConfig, jobcheck.DataSummary]:
 
 def _load(job_file: Path) -> JobConfig:
     return _checked(job_file)[0]
+
+
+def _tokenized(job: JobConfig) -> datafacts.Tokenized | None:
+    """The job's training rows as the ranks will pack them (None without the tokenizer here); a job that cannot
+    train on them is refused."""
+    try:
+        return datafacts.tokenized(job, REPO)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
 
 
 def _set(job_file: Path, setting: list[str] | None) -> Path:
@@ -180,9 +189,11 @@ def validate(
         Path | None, typer.Option("--inventory", "-i", help="also run make train's fast checks on its hosts")
     ] = None,
     setting: SetOpt = None,
+    show: Annotated[int, typer.Option(min=0, help="print this many training rows, the trained tokens marked")] = 0,
 ) -> None:
-    """Check a job file, print its cluster-wide hash and which backend it runs where; with an inventory, also
-    what make train checks on its hosts first (the fast preflight, and the global batch against the ranks)."""
+    """Check a job file, print its cluster-wide hash, its data as the ranks will pack it (records, tokens, rows,
+    padding, steps an epoch) and which backend it runs where; with an inventory, also what make train checks on
+    its hosts first (the fast preflight, and the global batch against the ranks)."""
     job_file = _set(job_file, setting)
     job, data = _checked(job_file)
     _check_targets(job)  # a base still in its wheel is converted by make train, not here: nothing downloads
@@ -191,6 +202,14 @@ def validate(
         f"{job_file}: ok (job '{job.name}', {data.train_records} training records{held}, "
         f"cluster-wide hash {job.cluster_hash()[:12]})"
     )
+    found = _tokenized(job)
+    if found is None:
+        console.print("[dim]data: its rows and steps are counted once the base model is here (make train converts "
+                      "it)[/]", highlight=False)  # fmt: skip
+    else:
+        console.print(found.facts.line(), highlight=False)
+        for text in datafacts.show(found, show):
+            console.print(text, highlight=False)
     cuda, why = lock_cuda()
     if cuda is None:
         raise _fail(f"the node lock cannot be judged: {why}")
@@ -332,8 +351,13 @@ def train(
         # What the fast checks just read on each host, for the first launch not to ask it again.
         "ugro_known_facts": preflight_run.launch_facts(checked, code_hash) if checked else {},
     }
+    length = f"{job.train.max_steps} steps"
+    if job.train.epochs is not None:  # the steps come from the rows: counted here as the ranks will
+        found = _tokenized(job)
+        length = (f"{found.facts.steps} steps ({job.train.epochs:g} epochs of {found.facts.rows} rows)" if found
+                  else f"{job.train.epochs:g} epochs")  # fmt: skip
     console.print(
-        f"job [bold]{job_id}[/] on {inventory}: {job.train.max_steps} steps, global batch "
+        f"job [bold]{job_id}[/] on {inventory}: {length}, global batch "
         f"{job.train.global_batch_size}{' over ' + ranks.describe(planned) if planned else ''}, "
         f"model {job.model.source}, code {code_hash[:12]}"
     )

@@ -19,6 +19,8 @@ import yaml
 from train.config import ConfigError, JobConfig, load_job
 
 DIRECTORY = Path("jobs") / ".set"
+# Keys of which a job gives one: setting either replaces the other one the file gives.
+ONE_OF = {"train.epochs": "train.max_steps", "train.max_steps": "train.epochs"}
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
@@ -48,6 +50,9 @@ def apply(raw: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     """The job file's mapping with each setting laid over it (sections made where the file has none)."""
     merged = copy.deepcopy(raw)
     for key, value in settings.items():
+        other = ONE_OF.get(key)
+        if other is not None and other not in settings:  # train.epochs=2 over a file that gives max_steps
+            merged.get("train", {}).pop(other.split(".")[1], None)
         node = merged
         parts = key.split(".")
         for depth, part in enumerate(parts[:-1]):
@@ -74,9 +79,9 @@ def job_with(job_file: Path, settings: list[str], repo: Path) -> tuple[Path, Job
     path.parent.mkdir(parents=True, exist_ok=True)
     (path.parent / ".gitignore").write_text("*\n")
     shown = " ".join(settings)
-    path.write_text(f"# {job_file} with SET=\"{shown}\" (ugro/run/settings.py)\n{text}")
+    path.write_text(f'# {job_file} with SET="{shown}" (ugro/run/settings.py)\n{text}')
     try:
         return path, load_job(path)
     except ConfigError as exc:
         path.unlink(missing_ok=True)
-        raise ConfigError(str(exc).replace(str(path), f"{job_file} with SET=\"{shown}\"")) from None
+        raise ConfigError(str(exc).replace(str(path), f'{job_file} with SET="{shown}"')) from None
