@@ -44,7 +44,7 @@ from rich.table import Table
 
 from testbed.net import free_port
 from train.config import load_job
-from train.data import prepare
+from train.data import model_inputs, prepare
 from train.metrics import read_metrics
 from train.model import load_model
 
@@ -171,11 +171,8 @@ def bare(job_file: Path, steps: int = 20, skip: int = 4) -> None:
             started = time.perf_counter()
         ids = order[torch.arange(step * batch, (step + 1) * batch) % len(blocks)]
         for chunk in ids.split(micro):
-            out = model(
-                input_ids=blocks.input_ids[chunk],
-                attention_mask=blocks.attention_mask[chunk],
-                labels=blocks.labels[chunk],
-            )
+            rows = blocks.batch(chunk.tolist(), torch.device("cpu"))
+            out = model(**model_inputs(rows), labels=rows["labels"])
             (out.loss * len(chunk) / batch).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

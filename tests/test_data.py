@@ -9,7 +9,7 @@ import torch
 from helpers import REPO
 
 from train.config import ConfigError, DataConfig, ModelConfig
-from train.data import IGNORE, build_blocks, prepare, tokenize
+from train.data import IGNORE, build_blocks, model_inputs, pack, prepare, tokenize
 from train.model import load_tokenizer
 from train.records import Record, load_records, read_checked
 
@@ -67,12 +67,26 @@ def test_record_that_does_not_fit_the_format_is_named(tokenizer: object) -> None
         tokenize(records, cfg, tokenizer)
 
 
-def test_packing_makes_full_blocks_without_padding() -> None:
+def test_packing_puts_whole_examples_in_rows_each_with_its_own_positions() -> None:
     examples = [([1, 5, 6, 7, 2], [-100, 5, 6, 7, 2]), ([1, 7, 2], [-100, 7, 2]), ([1, 8, 9, 9, 2], [-100, 8, 9, 9, 2])]
     blocks = build_blocks(examples, DataConfig(source="x", seq_len=8, packing=True), pad_id=0)
-    assert blocks.input_ids.tolist() == [[1, 5, 6, 7, 2, 1, 7, 2]]  # the 5-token tail is dropped
-    assert blocks.labels.tolist() == [[-100, 5, 6, 7, 2, -100, 7, 2]]
-    assert bool(blocks.attention_mask.all())
+    # Best fit, the longest first: the 3-token example fills the first row's room; nothing is dropped.
+    assert blocks.input_ids.tolist() == [[1, 5, 6, 7, 2, 1, 7, 2], [1, 8, 9, 9, 2, 0, 0, 0]]
+    assert blocks.labels.tolist() == [[-100, 5, 6, 7, 2, -100, 7, 2], [-100, 8, 9, 9, 2, -100, -100, -100]]
+    assert blocks.attention_mask.tolist() == [[1] * 8, [1] * 5 + [0] * 3]
+    assert blocks.position_ids is not None
+    assert blocks.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 4, 0, 1, 2]]
+    # The model gets the positions, not a mask: where they start again, an example begins (train/data.py).
+    inputs = model_inputs(blocks.batch([0, 1], torch.device("cpu")))
+    assert set(inputs) == {"input_ids", "position_ids", "use_cache"} and inputs["use_cache"] is False
+
+
+def test_pack_is_best_fit_and_keeps_every_example() -> None:
+    lengths = [7, 1, 4, 4, 3, 8, 2, 5, 0]
+    rows = pack(lengths, 8)
+    assert sorted(i for row in rows for i in row) == [i for i, n in enumerate(lengths) if n]
+    assert all(sum(lengths[i] for i in row) <= 8 for row in rows)
+    assert len(rows) == 5  # 34 tokens: the fewest rows of 8 that hold them
 
 
 def test_no_packing_pads_and_masks() -> None:

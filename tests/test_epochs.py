@@ -43,13 +43,14 @@ def test_make_validate_counts_the_rows_and_shows_them_with_the_trained_tokens_ma
     found = datafacts.tokenized(load_job(_job(tmp_path, epochs=2)), REPO)
     assert found is not None
     facts = found.facts
-    assert (facts.records, facts.rows, facts.seq_len, facts.steps) == (349, 204, 128, 51)
-    assert facts.padding == 0 and 0 < facts.dropped < 128 and facts.tokens == 204 * 128 + facts.dropped
+    # Whole examples packed into 266 rows of 128: 33.25 steps an epoch at 8 a step, so 2 epochs are 67 steps.
+    assert (facts.records, facts.rows, facts.seq_len, facts.steps) == (349, 266, 128, 67)
+    assert facts.tokens == 266 * 128 - facts.padding + facts.dropped and 0 < facts.padding < 266 * 128 / 4
 
     shown = cli("validate", "--job", str(_job(tmp_path, epochs=2)), "--show", "2", timeout=120, env={"COLUMNS": "200"})
     assert shown.returncode == 0, shown.stderr
     out = shown.stdout
-    assert "data: 349 records, 26,115 tokens -> 204 rows of 128" in out and "25.50 steps an epoch: 51 steps" in out
+    assert "data: 349 records, 26,115 tokens -> 266 rows of 128" in out and "33.25 steps an epoch: 67 steps" in out
     assert "row 0 (128 tokens" in out and "row 1 (128 tokens" in out and "row 2" not in out
     marked = [part.split(datafacts.CLOSE)[0] for part in out.split(datafacts.OPEN)[1:]]
     assert marked, out

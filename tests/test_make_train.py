@@ -147,7 +147,7 @@ def test_ctrl_c_detaches_the_run_goes_on_and_make_follow_takes_it_up_to_its_end(
     running on its host; `make status` says no controller follows it, and `make follow` follows it to its end and
     collects its results. (ansible-runner once took SIGINT for itself: Ctrl-C then only cancelled the playbook in
     flight and the controller kept following.)"""
-    # Two epochs instead of a step count: the tiny job packs 204 rows of 128, 25.5 steps an epoch at 8 a step.
+    # Two epochs instead of a step count: the tiny job packs 266 rows of 128, 33.25 steps an epoch at 8 a step.
     job = small_job(name=job_file.stem)
     del job["train"]["max_steps"]
     job["train"]["epochs"] = 2
@@ -177,7 +177,7 @@ def test_ctrl_c_detaches_the_run_goes_on_and_make_follow_takes_it_up_to_its_end(
         assert followed.returncode == 0, followed.stdout + followed.stderr
         assert f"following job {run_dir.name}" in " ".join(followed.stdout.split()), followed.stdout
         record = json.loads((run_dir / "run.json").read_text())
-        assert record["state"] == "finished" and record["step"] == record["total_steps"] == 51, record
+        assert record["state"] == "finished" and record["step"] == record["total_steps"] == 67, record
         assert (run_dir / "logs").is_dir() and not (run_dir / ".control" / "follower.json").exists()
     finally:
         if follower.poll() is None:

@@ -155,7 +155,7 @@ def test_packing_off_cuts_a_long_document_into_seq_len_pieces() -> None:
         list(range(8, 16)),
     ]  # fmt: skip  (the 1-token tail of the last one trains nothing)
     assert text.attention_mask.sum(dim=1).tolist() == [8, 8, 5, 3, 8, 8]
-    assert text.labels[2].tolist() == [*long[16:], -100, -100, -100]
+    assert text.labels[2].tolist() == [-100, *long[17:], -100, -100, -100]  # a piece's first token: no target
     instruction = build_blocks(examples, DataConfig(source="x", seq_len=8, packing=False), pad_id=0)
     assert instruction.input_ids.tolist()[0] == long[:8] and len(instruction) == 3  # truncated, as before
 
@@ -168,7 +168,9 @@ def test_held_out_notes_count_every_token(tmp_path: Path) -> None:
     lengths = [len(ids) for ids, _ in tokenize(records, cfg, tokenizer)]
     assert len(records) == 6 and len(blocks) == sum(n // 16 + (n % 16 > 1) for n in lengths) > 6
     assert int(blocks.attention_mask.sum()) == sum(n - (n % 16 == 1) for n in lengths)  # a 1-token tail is dropped
-    assert len(prepare(cfg, tokenizer, REPO)) == sum(lengths) // 16  # packed, as before
+    # Packed: the same pieces, whole, several to a row.
+    packed = prepare(cfg, tokenizer, REPO)
+    assert int(packed.attention_mask.sum()) == int(blocks.attention_mask.sum()) and len(packed) < len(blocks)
 
 
 def _notes(count: int) -> str:

@@ -105,7 +105,8 @@ def test_a_stage_of_the_real_model_reads_only_its_layers_and_computes_what_the_w
     held = {n for n, _ in first.named_parameters() if ".layers." in n}
     assert {stagemodel.layer_of(n) for n in held} == set(range(10))
     with torch.no_grad():
-        hidden = stagemodel.forward(first, ids, mask, True, False)
-        logits = stagemodel.forward(last, hidden, mask, False, True)
+        rows = {"input_ids": ids, "attention_mask": mask}
+        hidden = stagemodel.forward(first, ids, rows, True, False)
+        logits = stagemodel.forward(last, hidden, rows, False, True)
     torch.testing.assert_close(hidden, out.hidden_states[10], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, out.logits, rtol=1e-4, atol=1e-4)

@@ -6,6 +6,7 @@ hand out indices without any rank sending data to another.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,31 +24,44 @@ Example = tuple[list[int], list[int]]  # one record's token ids and labels
 
 @dataclass(frozen=True)
 class Blocks(Dataset[dict[str, torch.Tensor]]):
-    """Fixed-length training blocks: ``input_ids``, ``labels`` (IGNORE where not trained) and mask."""
+    """Fixed-length training blocks: ``input_ids``, ``labels`` (IGNORE where not trained) and mask (1 on tokens, 0
+    on padding). Packed rows also have ``position_ids``: each example's positions start again at 0, which is how
+    the model keeps every example to itself (``model_inputs``)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     attention_mask: torch.Tensor
     records: int = 0  # how many records the blocks were built from (run.json ``data``)
+    position_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def _fields(self) -> dict[str, torch.Tensor]:
+        found = {"input_ids": self.input_ids, "labels": self.labels, "attention_mask": self.attention_mask}
+        if self.position_ids is not None:
+            found["position_ids"] = self.position_ids
+        return found
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {
-            "input_ids": self.input_ids[index],
-            "labels": self.labels[index],
-            "attention_mask": self.attention_mask[index],
-        }
+        return {key: value[index] for key, value in self._fields().items()}
 
     def batch(self, indices: Sequence[int], device: torch.device) -> dict[str, torch.Tensor]:
         """A micro-batch: the blocks at ``indices`` stacked, on ``device`` (they are already tokenized)."""
         index = torch.as_tensor(list(indices), dtype=torch.long)
-        return {
-            "input_ids": self.input_ids[index].to(device, non_blocking=True),
-            "labels": self.labels[index].to(device, non_blocking=True),
-            "attention_mask": self.attention_mask[index].to(device, non_blocking=True),
-        }
+        return {key: value[index].to(device, non_blocking=True) for key, value in self._fields().items()}
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What the model is called with. Packed rows: their per-example positions, no mask and no cache;
+    transformers then lets each token attend only within its own example, since positions start again at 0
+    where one begins (``find_packed_sequence_indices``: a block-diagonal causal mask for its eager and SDPA
+    attention, the variable-length kernels for flash attention). It looks for them only without a mask and
+    without a key/value cache, which a model makes for itself unless told ``use_cache=False``. Other rows:
+    their padding mask."""
+    if "position_ids" in batch:
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
 def uses_chat_template(cfg: DataConfig, tokenizer: Any) -> bool:
@@ -151,29 +165,57 @@ def cut(examples: list[Example], n: int) -> list[Example]:
 
 
 def build_blocks(examples: list[Example], cfg: DataConfig, pad_id: int) -> Blocks:
-    """Pack examples into seq_len blocks; with packing off, one padded row each: a text document is cut into as
-    many rows as it fills, an instruction or chat record is truncated to seq_len."""
+    """Rows of ``seq_len`` tokens. A text document longer than a row is cut into pieces of a row each; an
+    instruction or chat record is truncated to one row. With packing, whole examples share rows (best fit, the
+    longest first) and each keeps its own positions; without, each is its own padded row. No token of what
+    remains is dropped."""
     n, records = cfg.seq_len, len(examples)
-    if cfg.format == "text" and not cfg.packing:
+    if cfg.format == "text":
         examples = cut(examples, n)
-    if cfg.packing:
-        flat_ids = [t for ids, _ in examples for t in ids]
-        flat_labels = [t for _, labels in examples for t in labels]
-        count = len(flat_ids) // n
-        if count == 0:
-            raise ConfigError(f"data.seq_len: the data holds {len(flat_ids)} tokens, fewer than one block of {n}")
-        ids = torch.tensor(flat_ids[: count * n]).view(count, n)
-        labels = torch.tensor(flat_labels[: count * n]).view(count, n)
-        return Blocks(ids, labels, torch.ones_like(ids), records)
-    ids = torch.full((len(examples), n), pad_id)
-    labels = torch.full((len(examples), n), IGNORE)
-    mask = torch.zeros((len(examples), n), dtype=torch.long)
-    for row, (e_ids, e_labels) in enumerate(examples):
-        k = min(n, len(e_ids))
-        ids[row, :k] = torch.tensor(e_ids[:k])
-        labels[row, :k] = torch.tensor(e_labels[:k])
-        mask[row, :k] = 1
-    return Blocks(ids, labels, mask, records)
+    examples = [(ids[:n], labels[:n]) for ids, labels in examples]
+    groups = pack([len(ids) for ids, _ in examples], n) if cfg.packing else [[i] for i in range(len(examples))]
+    if not groups:
+        raise ConfigError("data.source: no record holds a token to train on")
+    ids = torch.full((len(groups), n), pad_id)
+    labels = torch.full((len(groups), n), IGNORE)
+    mask = torch.zeros((len(groups), n), dtype=torch.long)
+    positions = torch.zeros((len(groups), n), dtype=torch.long)
+    for row, group in enumerate(groups):
+        at = 0
+        for index in group:
+            e_ids, e_labels = examples[index]
+            k = len(e_ids)
+            ids[row, at : at + k] = torch.tensor(e_ids)
+            labels[row, at : at + k] = torch.tensor(e_labels)
+            labels[row, at] = IGNORE  # nothing before an example predicts its first token
+            mask[row, at : at + k] = 1
+            positions[row, at : at + k] = torch.arange(k)
+            at += k
+        positions[row, at:] = torch.arange(n - at)  # the padding: a sequence of its own, trained on nothing
+    return Blocks(ids, labels, mask, records, positions if cfg.packing else None)
+
+
+def pack(lengths: list[int], n: int) -> list[list[int]]:
+    """Indices of examples grouped into rows of at most ``n`` tokens: best fit, the longest first (each goes
+    into the row with the least room that holds it; a new row when none does)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (tokens still free, row), sorted
+    for index in order:
+        size = lengths[index]
+        if size == 0:
+            continue
+        at = bisect.bisect_left(room, (size, -1))
+        if at == len(room):
+            rows.append([index])
+            free, row = n - size, len(rows) - 1
+        else:
+            free, row = room.pop(at)
+            rows[row].append(index)
+            free -= size
+        if free > 0:
+            bisect.insort(room, (free, row))
+    return rows
 
 
 def pad_id(tokenizer: Any) -> int:

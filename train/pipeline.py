@@ -94,7 +94,7 @@ class StageRunner:
             clock.work(batch["input_ids"].numel() / 3)
         feed = batch["input_ids"] if inputs is None else inputs
         out = stagemodel.forward(
-            self.model, feed, batch["attention_mask"], where.first, where.last, logits or self.head is None
+            self.model, feed, batch, where.first, where.last, logits or self.head is None
         )
         if clock is not None:
             clock.lap()

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from train.config import ConfigError, JobConfig
+from train.data import model_inputs
 from train.topology import PIPELINE_TYPES, Stage
 
 LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
@@ -190,12 +191,15 @@ def seed_lora(model: torch.nn.Module, seed: int, start: int = 0) -> None:
 
 
 def forward(
-    model: Any, inputs: torch.Tensor, attention_mask: torch.Tensor, first: bool, last: bool, logits: bool = True
+    model: Any, inputs: torch.Tensor, batch: dict[str, torch.Tensor], first: bool, last: bool, logits: bool = True
 ) -> torch.Tensor:
     """Token ids (first stage) or hidden states in; hidden states out, or logits from the last stage (its final
-    hidden states, the head's input, with ``logits=False``: train/headloss.py takes the loss from them)."""
+    hidden states, the head's input, with ``logits=False``: train/headloss.py takes the loss from them). ``batch``
+    gives the rows' mask or, packed, their per-example positions (train/data.py ``model_inputs``)."""
     causal_lm = model.get_base_model()
+    given = model_inputs(batch) | {"use_cache": False}
+    given.pop("input_ids")
     feed = {"input_ids": inputs} if first else {"inputs_embeds": inputs}
     if last and logits:
-        return causal_lm(**feed, attention_mask=attention_mask, use_cache=False).logits  # type: ignore[no-any-return]
-    return causal_lm.model(**feed, attention_mask=attention_mask, use_cache=False).last_hidden_state  # type: ignore[no-any-return]
+        return causal_lm(**feed, **given).logits  # type: ignore[no-any-return]
+    return causal_lm.model(**feed, **given).last_hidden_state  # type: ignore[no-any-return]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from train import comm, headloss, regroup
-from train.data import IGNORE
+from train.data import IGNORE, model_inputs
 
 
 def label_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -41,10 +41,10 @@ def summed_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch
     model's logits are more than its head's output; the model is still called whole, so DDP sees its forward."""
     head = headloss.head(model)
     if head is None:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = model(**model_inputs(batch)).logits
         return logits_loss(logits, batch["labels"])
     with headloss.head_inputs(head) as seen:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        out = model(**model_inputs(batch))
     if not seen:  # the model did not call its head module (it used the weight itself): its logits are whole
         return logits_loss(out.logits, batch["labels"])
     return headloss.summed_loss(head, seen[-1], batch["labels"])
