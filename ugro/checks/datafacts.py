@@ -14,6 +14,7 @@ from train.config import ConfigError, JobConfig
 from train.data import IGNORE, Blocks, build_blocks, pad_id, tokenize
 from train.model import load_tokenizer
 from train.records import load_records
+from ugro.checks.jobcheck import model_dir
 
 TRAINED_STYLE = "bold green"
 # Around trained tokens, for readers without colour (a log, a pipe): the colour alone would vanish there.
@@ -53,6 +54,8 @@ def tokenized(job: JobConfig, repo: Path) -> Tokenized | None:
     """The job's training rows as the ranks build them, or None when its tokenizer is not on this machine (a hub
     model, a base not converted yet: `make train` converts it). ConfigError where the job cannot train on them
     (the warm-up longer than train.epochs' steps)."""
+    if model_dir(job, repo) is None:
+        return None  # a hub name: validate downloads nothing
     try:
         tokenizer = load_tokenizer(job.model, repo)
     except (OSError, ValueError):
