@@ -93,9 +93,7 @@ class StageRunner:
             clock.waited()  # the emulated device starts once the input is here
             clock.work(batch["input_ids"].numel() / 3)
         feed = batch["input_ids"] if inputs is None else inputs
-        out = stagemodel.forward(
-            self.model, feed, batch, where.first, where.last, logits or self.head is None
-        )
+        out = stagemodel.forward(self.model, feed, batch, where.first, where.last, logits or self.head is None)
         if clock is not None:
             clock.lap()
         if not where.last:
