@@ -29,7 +29,7 @@ from rich.table import Table
 from train.config import ConfigError, JobConfig, load_job
 from train.metrics import read_eval, read_metrics, read_samples, write_status
 from train.stageplan import PlanError
-from ugro.checks import datafacts, doctor, jobcheck, ranks
+from ugro.checks import doctor, jobcheck, ranks
 from ugro.checks import plan as stageplan
 from ugro.checks import preflight as preflight_run
 from ugro.checks.preflight_checks import Thresholds, lock_cuda
@@ -43,6 +43,7 @@ from ugro.schedulers import render as schedulers
 from ugro.stack import cuda as stack
 
 if TYPE_CHECKING:
+    from ugro.checks.datafacts import Tokenized
     from ugro.model.gguf_export import GgufExport
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ugro: LoRA fine-tuning across the GPUs of a LAN.")
@@ -77,9 +78,11 @@ def _load(job_file: Path) -> JobConfig:
     return _checked(job_file)[0]
 
 
-def _tokenized(job: JobConfig) -> datafacts.Tokenized | None:
+def _tokenized(job: JobConfig) -> Tokenized | None:
     """The job's training rows as the ranks will pack them (None without the tokenizer here); a job that cannot
-    train on them is refused."""
+    train on them is refused. (torch and the tokenizer are imported here, not for every command.)"""
+    from ugro.checks import datafacts
+
     try:
         return datafacts.tokenized(job, REPO)
     except ConfigError as exc:
@@ -208,7 +211,9 @@ def validate(
                       "it)[/]", highlight=False)  # fmt: skip
     else:
         console.print(found.facts.line(), highlight=False)
-        for text in datafacts.show(found, show):
+        from ugro.checks.datafacts import show as show_rows
+
+        for text in show_rows(found, show):
             console.print(text, highlight=False)
     cuda, why = lock_cuda()
     if cuda is None:
