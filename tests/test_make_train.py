@@ -160,6 +160,7 @@ def test_ctrl_c_detaches_the_run_goes_on_and_make_follow_takes_it_up_to_its_end(
         follower = subprocess.Popen(
             [PYTHON, "-m", "ugro.cli", "train", "--job", str(job_file.relative_to(checkout)), "--inventory",
              str(inventory)], cwd=checkout, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_as_in_a_terminal,
         )  # fmt: skip
     try:
         run_dir = _wait_for_steps(checkout / "runs", job_file.stem, 1, follower)
@@ -189,6 +190,13 @@ def test_ctrl_c_detaches_the_run_goes_on_and_make_follow_takes_it_up_to_its_end(
             os.killpg(follower.pid, signal.SIGKILL)
             follower.wait()
         cli("stop", "--inventory", str(inventory), timeout=120, **at)
+
+
+def _as_in_a_terminal() -> None:
+    """SIGINT as a terminal's foreground process has it: a shell that starts the tests in the background without
+    job control (CI scripts do) makes every descendant ignore SIGINT, and Python then never raises
+    KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _step(run_dir: Path) -> int:
