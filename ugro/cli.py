@@ -34,7 +34,7 @@ from ugro.checks import plan as stageplan
 from ugro.checks import preflight as preflight_run
 from ugro.checks.preflight_checks import Thresholds, lock_cuda
 from ugro.hosts import codesync
-from ugro.hosts.inventory import InventoryError, read_cluster
+from ugro.hosts.inventory import Cluster, InventoryError, read_cluster
 from ugro.hosts.playbook import REPO, RUNS_ENV, PlaybookRun, run_playbook, runs_dir
 from ugro.model.jsonfile import read_object
 from ugro.run import attach, phases, settings
@@ -76,6 +76,21 @@ def _checked(job_file: Path) -> tuple[JobConfig, jobcheck.DataSummary]:
 
 def _load(job_file: Path) -> JobConfig:
     return _checked(job_file)[0]
+
+
+def _cluster(inventory: Path, missing: str = "inventory not found (the default is inventory/local.yml)") -> Cluster:
+    """The inventory's cluster, or one error naming the file (``missing`` when there is none)."""
+    if not inventory.is_file():
+        raise _fail(f"{inventory}: {missing}")
+    try:
+        return read_cluster(inventory)
+    except InventoryError as exc:
+        raise _fail(str(exc)) from None
+
+
+def _clock(epoch: object) -> str:
+    """'14:05:09': an epoch time recorded in a run's files, on this machine's clock."""
+    return time.strftime("%H:%M:%S", time.localtime(float(epoch or 0)))  # type: ignore[arg-type]
 
 
 def _tokenized(job: JobConfig) -> Tokenized | None:
@@ -239,13 +254,8 @@ def plan_cmd(
     job_file = _set(job_file, setting)
     job = _load(job_file)
     _convert_model(job)
-    if not inventory.is_file():
-        raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
-    try:
-        cluster = read_cluster(inventory)
-        hosts, hostvars = cluster.hosts, cluster.hostvars
-    except InventoryError as exc:
-        raise _fail(str(exc)) from None
+    cluster = _cluster(inventory)
+    hosts, hostvars = cluster.hosts, cluster.hostvars
     facts: dict[str, dict[str, object]] | None = None
     found_ranks: dict[str, int] | None = None
     if not offline:
@@ -326,12 +336,7 @@ def train(
         raise _fail(f"--resume must be 'none' or 'auto', not '{resume}'")
     job_file = _set(job_file, setting)
     job = _load(job_file)
-    if not inventory.is_file():
-        raise _fail(f"{inventory}: inventory not found (the default is inventory/local.yml)")
-    try:
-        cluster = read_cluster(inventory)
-    except InventoryError as exc:
-        raise _fail(str(exc)) from None
+    cluster = _cluster(inventory)
     if job.train.min_hosts > len(cluster.hosts):
         raise _fail(f"{job_file}: train.min_hosts is {job.train.min_hosts} but {inventory} has only "
                     f"{len(cluster.hosts)} host(s) in ugro_cluster; lower train.min_hosts")  # fmt: skip
@@ -403,17 +408,12 @@ def follow(
                     "`make train` launched from this checkout")  # fmt: skip
     live = attach.follower(run_dir)
     if live is not None:
-        since = time.strftime("%H:%M:%S", time.localtime(float(live.get("since") or 0)))
+        since = _clock(live.get("since"))
         raise _fail(f"job {job_id} is followed already: process {live.get('pid')} on {live.get('machine')} since "
                     f"{since}; end that one (Ctrl-C) or follow from there")  # fmt: skip
     job = _load(Path(launch.job_file))
     inventory = Path(launch.inventory)
-    if not inventory.is_file():
-        raise _fail(f"{inventory}: the run's inventory is gone; put it back to follow job {job_id}")
-    try:
-        cluster = read_cluster(inventory)
-    except InventoryError as exc:
-        raise _fail(str(exc)) from None
+    cluster = _cluster(inventory, f"the run's inventory is gone; put it back to follow job {job_id}")
     left = attach.Supervision.read(run_dir) or attach.Supervision(list(cluster.hosts), cluster.rendezvous, [], [])
     console.print(f"following job [bold]{job_id}[/] on {', '.join(left.hosts)} (rendezvous {left.main}); "
                   f"{len(left.restarts)} restart(s) so far", highlight=False)  # fmt: skip
@@ -696,7 +696,7 @@ def _follower_line(run_dir: Path) -> None:
         return
     live = attach.follower(run_dir)
     if live is not None:
-        since = time.strftime("%H:%M:%S", time.localtime(float(live.get("since") or 0)))
+        since = _clock(live.get("since"))
         console.print(f"followed by the controller: process {live.get('pid')} on {live.get('machine')} since {since}",
                       highlight=False)  # fmt: skip
         return
