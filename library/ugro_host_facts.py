@@ -94,6 +94,12 @@ options:
       tokens/s, ETA and the run's state and error.
     type: bool
     default: false
+  follow_poll_s:
+    description: Greater than 0 where the controller that follows the run asks, every that many seconds; C(job)
+      then records when it asked (C(runs/<job_id>/hosts/<host>/followed.json)), so that the ranks know whether a
+      controller will name who is left after a lost host or they agree on it themselves.
+    type: float
+    default: 0.0
   disk_path:
     description: Where free disk space is measured (its nearest existing parent when it does not exist).
     type: path
@@ -599,7 +605,8 @@ def gather(params: dict[str, Any], subsets: set[str]) -> dict[str, Any]:
     if "job" in subsets and code_dir is not None:
         facts["running_job"] = running_job(code_dir / "runs")
         if params["job_id"]:
-            facts["job"] = status(code_dir / "runs" / params["job_id"], params["host"], params["main_host"])
+            facts["job"] = status(code_dir / "runs" / params["job_id"], params["host"], params["main_host"],
+                                  params["follow_poll_s"])  # fmt: skip
     if "checkpoint" in subsets and code_dir is not None:
         facts["checkpoint"] = newest_intact(code_dir / "runs" / params["job_id"])
     if "disk" in subsets:
@@ -636,6 +643,7 @@ def main() -> None:
             "code_dir": {"type": "path"},
             "job_id": {"type": "str"},
             "main_host": {"type": "bool", "default": False},
+            "follow_poll_s": {"type": "float", "default": 0.0},
             "disk_path": {"type": "path"},
             "env_file": {"type": "path"},
             "profile_file": {"type": "path"},

@@ -1,13 +1,14 @@
 """Survivors of a lost rank go on in their own processes, nothing redone, with identical weights.
 
 Five "hosts" on this machine (five torchrun agents, one rank each, told apart by UGRO_HOST, gloo over
-loopback) run a real job; the test plays the controller: when a host's rank is gone it writes the survivors'
-membership file, as playbooks/regroup.yml does. The faults are real signals at exact points of a step
+loopback) run a real job that no controller follows. The faults are real signals at exact points of a step
 (tests/fixtures/faulty_worker.py): h2 dies with its gradient all-reduce under way, h4 in the middle of its
-optimizer step, then h5 freezes (SIGSTOP, as a cut link: no peer hears a reset) after its step, while the others
-gather every rank's RNG state for a checkpoint; they leave that gather when the controller names who is left, not
-at the collective timeout. The multi-host version with the real controller, SSH and network namespaces is
-tests/test_recovery.py.
+optimizer step: the survivors find their stores refused and agree among themselves who is left
+(train/consensus.py). Then h5 freezes (SIGSTOP: its store still accepts connects, so no survivor can tell it
+from a slow one) after its step, while the others gather every rank's RNG state for a checkpoint; the test then
+plays the controller and writes the survivors' membership file, as playbooks/regroup.yml does, and they leave
+that gather at once, not at the collective timeout. The multi-host version with the real controller, SSH and
+network namespaces is tests/test_recovery.py.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def test_survivors_of_kills_in_the_all_reduce_the_optimizer_and_a_checkpoint_go_
         for generation, lost in enumerate(("h2", "h4", "h5"), start=1):
             _wait_gone(pids[lost] or 0, agents, deadline)
             left.remove(lost)
-            _tell(run_dir, generation, left)
+            if lost == "h5":  # frozen: only a controller can tell
+                _tell(run_dir, generation, left)
         while agents["h1"].poll() is None and json.loads((run_dir / "run.json").read_text()).get("state") != "finished":
             assert time.monotonic() < deadline, (tmp_path / "h1.log").read_text()[-3000:]
             time.sleep(0.2)
@@ -112,6 +114,10 @@ def test_survivors_of_kills_in_the_all_reduce_the_optimizer_and_a_checkpoint_go_
     record = json.loads((run_dir / "run.json").read_text())
     assert record["state"] == "finished", record
     assert record["regrouped"]["generation"] == 3 and record["regrouped"]["hosts"] == ["h1", "h3"]
+    # The main rank's history of the launch: who was left after each fault, and who said so.
+    history = [(r["generation"], r["hosts"], r["decided_by"]) for r in record["regroups"]]
+    assert history == [(1, ["h1", "h3", "h4", "h5"], "survivors"), (2, ["h1", "h3", "h5"], "survivors"),
+                       (3, ["h1", "h3"], "controller")], record["regroups"]  # fmt: skip
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step once: nothing redone
     assert all(r["loss"] == r["loss"] for r in rows)
@@ -120,6 +126,7 @@ def test_survivors_of_kills_in_the_all_reduce_the_optimizer_and_a_checkpoint_go_
     assert weights["h1"] == weights["h3"] and weights["h1"]["step"] > 16, weights
     logs = {h: (run_dir / "logs").glob(f"{h}-rank*.log") for h in left}
     text = "\n".join(p.read_text() for paths in logs.values() for p in paths)
-    assert all(f"regroup {g}: rank" in text for g in (1, 2, 3)), text[-3000:]
+    decided = ("survivors", "survivors", "controller")
+    assert all(f"regroup {g} ({by} decided): rank" in text for g, by in enumerate(decided, 1)), text[-3000:]
     # The frozen h5 sends nothing: the gather ended because the controller named who is left, not at its timeout.
     assert "step 17: the group lost a member (GroupLost: the controller named a new membership (generation 3" in text

@@ -157,9 +157,10 @@ class DistributedConfig(_Strict):
     regroup_timeout_s: int = Field(
         60,
         ge=0,
-        description="When a host is lost, how long the surviving ranks wait for the controller to name who is left "
-        "and then go on in their own processes, nothing redone (train/regroup.py); after that they fail and the "
-        "controller relaunches from a checkpoint. 0: never regroup, always relaunch.",
+        description="When a host is lost, how long the surviving ranks try to learn who is left (from the controller "
+        "that follows the run, or, where none does, by agreeing among themselves: train/consensus.py) and then go on "
+        "in their own processes, nothing redone (train/regroup.py); after that they fail and a controller "
+        "relaunches from a checkpoint. 0: never regroup, always relaunch.",
     )
     grad_compression: Literal["auto", "bf16", "none"] = Field(
         "auto",

@@ -97,13 +97,8 @@ def rejoin(info: RankInfo, membership: regroup.Membership, timeout_s: int) -> Ra
     """Leave the broken group and form ``membership``'s with the other survivors: this rank's new place."""
     survivors = regroup.new_ranks(info.hosts, membership.hosts)
     if info.rank not in survivors:
-        raise regroup.GroupLost(f"the controller left this host out of the group ({', '.join(membership.hosts)})")
-    endpoint = dict(info.stores).get(membership.main)
-    if endpoint is None:
-        raise regroup.GroupLost(f"no regroup store is known for the new main host {membership.main}")
-    store = (
-        _SERVERS[0].store if _SERVERS and membership.main == info.host else regroup.endpoint_store(endpoint, timeout_s)
-    )
+        raise regroup.GroupLost(f"the new membership left this host out of the group ({', '.join(membership.hosts)})")
+    store = regroup_store(info, membership.main, timeout_s)
     rank = survivors.index(info.rank)
     hosts = tuple(info.hosts[r] for r in survivors)
     backend = "nccl" if info.device.type == "cuda" else "gloo"
@@ -114,6 +109,17 @@ def rejoin(info: RankInfo, membership: regroup.Membership, timeout_s: int) -> Ra
     stores = tuple((h, e) for h, e in info.stores if h in membership.hosts)
     return RankInfo(rank, info.local_rank, len(survivors), info.host, info.device, main_rank, hosts, info.attempt,
                     stores)  # fmt: skip
+
+
+def regroup_store(info: RankInfo, host: str, timeout_s: int) -> dist.Store:
+    """``host``'s regroup store: this process's own server where ``host`` is this rank's host and this is its first
+    rank, else a client of it."""
+    if _SERVERS and host == info.host:
+        return _SERVERS[0].store
+    endpoint = dict(info.stores).get(host)
+    if endpoint is None:
+        raise regroup.GroupLost(f"no regroup store is known for the new main host {host}")
+    return regroup.endpoint_store(endpoint, timeout_s)
 
 
 def wait_for_all(what: str, timeout_s: int) -> None:

@@ -42,6 +42,7 @@ class _Engine:
 
     model: Any
     balancer: Balancer
+    in_place: bool = True  # whether the survivors of a lost host go on in their processes (``regroup``)
 
     def rank_shares(self) -> tuple[int, ...]:
         return self.balancer.rank_shares()
@@ -115,6 +116,8 @@ class DataParallel(_Engine):
 
 class Pipelined(_Engine):
     """This rank's stage of a pipeline (or a whole replica beside pipelines)."""
+
+    in_place = False  # stages are cut for the hosts that hold them
 
     def __init__(self, job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout, run_dir: Path) -> None:
         self.job, self.info, self.layout = job, info, layout

@@ -235,6 +235,9 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
                     shadow = None
                 writer = keep_records(progress.step)
 
+    beat = regroup.heartbeat()
+    if beat is not None:  # the peers end their processes from now on: that breaks no group
+        beat.stop()
     trainer.save_adapter(run_dir / "adapter")  # with stages: every stage's LoRA weights put together on the main rank
     asked = held_out.records[: job.eval.samples] if held_out is not None and job.eval is not None else []
     answered = trainer.answers(asked) if asked else None  # through the stages with a pipeline, on the main rank without

@@ -1,5 +1,6 @@
-"""What a surviving rank does when its group lost a member: wait for the controller's word on who is left, form the
-new group, agree on the step, and go on in the same process (train/regroup.py has the group's mechanics)."""
+"""What a surviving rank does when its group lost a member: learn who is left (the following controller's word, or
+the survivors' own agreement where no controller follows: train/consensus.py), form the new group, agree on the
+step, and go on in the same process (train/regroup.py has the group's mechanics)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from train import distributed, engine, failure, regroup
+from train import consensus, distributed, engine, failure, regroup
 from train.config import JobConfig
 from train.distributed import RankInfo
 from train.metrics import RANK_STATUS, last_logged_step, write_status
@@ -38,27 +39,30 @@ def go_on(
     run_dir: Path,
     job: JobConfig,
 ) -> tuple[RankInfo, dict[str, Any]]:
-    """A peer is gone: wait for the controller's membership, form the new group, agree on the step, go on.
+    """A peer is gone: learn who is left, form the new group, agree on the step, go on.
     Where the main host is the one lost, the membership names another; its local rank 0 takes up the run's
-    records (the caller starts them: train/loop.py). Raises ``lost`` when no membership comes within
-    ``distributed.regroup_timeout_s`` (the controller then relaunches from a checkpoint), or when this rank
+    records (the caller starts them: train/loop.py). Raises ``lost`` when nobody names who is left within
+    ``distributed.regroup_timeout_s`` (a controller then relaunches from a checkpoint), or when this rank
     cannot go on in the new group. ``done``: the steps this rank
     completed; returns its new place and the regroup's record for its status file (``from_step``: where it goes on)."""
     began = time.time()
-    log.warning("step %d: the group lost a member (%s); waiting up to %d s for the controller to name who is left",
+    log.warning("step %d: the group lost a member (%s); learning who is left, for up to %d s",
                 done + 1, failure.one_line(lost), job.distributed.regroup_timeout_s)  # fmt: skip
-    membership = watch.newer(job.distributed.regroup_timeout_s)
     main_host = info.hosts[info.main_rank]
-    if membership is None:
+    if not trainer.in_place:  # a relaunch re-cuts the stages: nobody need be named
         raise lost
+    found = who_is_left(watch, info, run_dir, job.distributed.regroup_timeout_s, job.distributed.timeout_s)
+    if found is None:
+        raise lost
+    membership, decided_by = found
     if membership.main != main_host and main_host in membership.hosts:  # the main host moves only when it is lost
-        raise regroup.GroupLost(f"the controller moved the main host from {main_host}, which is left, to "
+        raise regroup.GroupLost(f"the new membership moved the main host from {main_host}, which is left, to "
                                 f"{membership.main}")  # fmt: skip
     new = distributed.rejoin(info, membership, job.distributed.timeout_s)
-    watch.joined(membership)
     beat = regroup.heartbeat()
     if beat is not None:
-        beat.keep(membership.hosts)
+        beat.keep(membership.hosts)  # before the new group counts: a lost host's silence must not break it
+    watch.joined(membership)
     target, source, behind = regroup.agree_step(done)
     if behind:
         regroup.share_state(optimizer, scheduler, source)
@@ -66,13 +70,51 @@ def go_on(
     if new.rank != info.rank:
         (run_dir / "hosts" / info.host / RANK_STATUS.format(rank=info.rank)).unlink(missing_ok=True)
     seconds = round(time.time() - began, 2)
-    record = {"generation": membership.generation, "attempt": new.attempt, "from_step": target, "seconds": seconds}
-    log.info("regroup %d: rank %d of %d on %s, from step %d (%d step(s) applied by a survivor only), in %.2f s: %s",
-             membership.generation, new.rank, new.world_size, ", ".join(membership.hosts), target, target - done,
-             seconds, how)  # fmt: skip
+    record = {"generation": membership.generation, "attempt": new.attempt, "from_step": target, "seconds": seconds,
+              "hosts": list(membership.hosts), "main": membership.main, "decided_by": decided_by,
+              "time": round(time.time(), 3), "cause": failure.one_line(lost)}  # fmt: skip
+    log.info("regroup %d (%s decided): rank %d of %d on %s, from step %d (%d step(s) applied by a survivor only), "
+             "in %.2f s: %s", membership.generation, decided_by, new.rank, new.world_size, ", ".join(membership.hosts),
+             target, target - done, seconds, how)  # fmt: skip
+    watch.history.append(record | {"main_before": main_host})
     if new.is_main:
-        regrouped = record | {"last_step_logged": last_logged_step(run_dir), "hosts": list(membership.hosts),
-                              "world_size": new.world_size, "time": round(time.time(), 3),
+        regrouped = record | {"last_step_logged": last_logged_step(run_dir), "world_size": new.world_size,
                               "main_before": main_host}  # fmt: skip
-        write_status(run_dir, world_size=new.world_size, plan=trainer.balancer.plan.to_dict(), regrouped=regrouped)
+        # Every regroup of this launch, also where no controller followed: this rank went through each of them.
+        write_status(run_dir, world_size=new.world_size, plan=trainer.balancer.plan.to_dict(), regrouped=regrouped,
+                     regroups=watch.history)  # fmt: skip
     return new, record
+
+
+AGREE_EVERY_S = 0.5  # between two looks for a controller's word or the survivors' own view
+
+
+def who_is_left(
+    watch: regroup.Watcher, info: RankInfo, run_dir: Path, within_s: float, timeout_s: int
+) -> tuple[regroup.Membership, str] | None:
+    """The membership to go on in, and who decided it ("controller" or "survivors"), or None after ``within_s``.
+
+    While a controller follows the run (it asked this host within three of its polls), its word is awaited;
+    otherwise the survivors probe each other and agree (train/consensus.py). A controller that stops asking in the
+    meantime (its laptop went to sleep) leaves the decision to the survivors."""
+    deadline = time.monotonic() + within_s
+    hosts = tuple(dict.fromkeys(info.hosts))
+    main = info.hosts[info.main_rank]
+    peers = {h: e for h, e in info.stores if h != info.host and h in hosts}
+    while True:
+        found = watch.newer(min(AGREE_EVERY_S, max(0.0, deadline - time.monotonic())))
+        if found is not None:
+            return found, "controller"
+        if time.monotonic() >= deadline:
+            return None
+        if consensus.controller_follows(run_dir, info.host):
+            continue
+        proposal = consensus.propose(hosts, main, consensus.probe(peers), watch.generation)
+        if proposal is None:
+            continue
+        try:
+            store = distributed.regroup_store(info, proposal.main, timeout_s)
+            return consensus.agree(proposal, store, info.attempt), "survivors"
+        except (RuntimeError, regroup.GroupLost) as exc:  # the new main host went too: look again
+            log.warning("could not agree on %s through %s's store: %s", ", ".join(proposal.hosts), proposal.main,
+                        failure.one_line(exc))  # fmt: skip

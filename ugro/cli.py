@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from train.config import ConfigError, JobConfig, load_job
@@ -418,7 +419,7 @@ def follow(
     console.print(f"following job [bold]{job_id}[/] on {', '.join(left.hosts)} (rendezvous {left.main}); "
                   f"{len(left.restarts)} restart(s) so far", highlight=False)  # fmt: skip
     for restart in left.restarts:
-        console.print(f"[yellow]{restart.line()}[/]", highlight=False)
+        console.print(f"[yellow]{escape(restart.line())}[/]", highlight=False)
     supervisor = Supervisor(job, cluster, inventory, run_dir, launch.extravars, console, poll or launch.poll_s)
     try:
         with attach.following(run_dir):
@@ -446,7 +447,7 @@ def _conclude(outcome: Outcome, inventory: Path, run_dir: Path) -> None:
 def _report(outcome: Outcome, run_dir: Path) -> None:
     """Every restart, and the cause of a run that did not finish (exit 1), else the run's summary."""
     for restart in outcome.restarts:
-        console.print(f"[yellow]{restart.line()}[/]", highlight=False)
+        console.print(f"[yellow]{escape(restart.line())}[/]", highlight=False)
     if outcome.state != "finished":
         for host, state in outcome.statuses.items():
             code = f" (exit code {state['exit_code']})" if state.get("exit_code") is not None else ""

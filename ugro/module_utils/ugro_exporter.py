@@ -401,14 +401,26 @@ JOB_PATH = "/job/"
 App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
-def job_state(runs_dir: Path, host: str, job_id: str, main: bool) -> tuple[str, dict[str, Any]]:
-    """The HTTP status and JSON body of ``/job/<job_id>``: the job's state on this host, or why there is none."""
+def job_state(
+    runs_dir: Path, host: str, job_id: str, main: bool, follow_poll_s: float = 0.0
+) -> tuple[str, dict[str, Any]]:
+    """The HTTP status and JSON body of ``/job/<job_id>``: the job's state on this host, or why there is none.
+    ``follow_poll_s``: asked by the controller that follows the run (``?follow=<seconds between its polls>``)."""
     if not ugro_jobstate.JOB_ID.match(job_id):
         return "400 Bad Request", {"error": f"'{job_id}' is not a job id such as default-20261121-190000"}
     run_dir = runs_dir / job_id
     if not (run_dir / "hosts" / host).is_dir():
         return "404 Not Found", {"error": f"{host} has no run {job_id} in {runs_dir}"}
-    return "200 OK", {**ugro_jobstate.status(run_dir, host, main), "jobstate": JOBSTATE}
+    return "200 OK", {**ugro_jobstate.status(run_dir, host, main, follow_poll_s), "jobstate": JOBSTATE}
+
+
+def _seconds(values: list[str] | None) -> float:
+    """A query's number of seconds (the first value), 0 where it is absent or not a positive number."""
+    try:
+        seconds = float((values or ["0"])[0])
+    except ValueError:
+        return 0.0
+    return seconds if 0 < seconds < 86400 else 0.0
 
 
 def application(metrics: App, runs_dir: Path, host: str) -> App:
@@ -418,8 +430,9 @@ def application(metrics: App, runs_dir: Path, host: str) -> App:
         path = str(environ.get("PATH_INFO") or "")
         if not path.startswith(JOB_PATH):
             return metrics(environ, start_response)
-        main = parse_qs(str(environ.get("QUERY_STRING") or "")).get("main") == ["1"]
-        code, body = job_state(runs_dir, host, path[len(JOB_PATH) :], main)
+        query = parse_qs(str(environ.get("QUERY_STRING") or ""))
+        main = query.get("main") == ["1"]
+        code, body = job_state(runs_dir, host, path[len(JOB_PATH) :], main, _seconds(query.get("follow")))
         data = json.dumps(body).encode()
         start_response(code, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
         return [data]

@@ -44,6 +44,9 @@ ATTEMPT = "attempt"
 FAILURES = "failures.jsonl"
 # The hosts this host's ranks cannot reach (train/regroup.py Heartbeat).
 PEERS = "peers.json"
+# When a controller that follows the run last asked this host, and how often it asks: while it is recent the ranks
+# leave a lost host to the controller's word, after it they agree among themselves (train/consensus.py).
+FOLLOWED = "followed.json"
 # The launch: its script, its process group (written by the script itself), torchrun's log, its exit status.
 LAUNCH_SCRIPT = "launch.sh"
 LAUNCH_PID = "launch.pid"
@@ -52,7 +55,7 @@ EXIT_CODE = "exit_code"
 PROGRESS_KEYS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s")
 # A job id as the controller makes them (default-20261121-190000): one path component.
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-RUN_KEYS = ("last_checkpoint", "resumed", "regrouped", "cause", "phases")
+RUN_KEYS = ("last_checkpoint", "resumed", "regrouped", "regroups", "cause", "phases")
 
 
 def digest() -> str:
@@ -177,13 +180,27 @@ def rank_regrouped(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     return max(found, key=lambda r: (r.get("attempt") or 0, r.get("generation") or 0), default=None)
 
 
-def status(run_dir: Path, host: str, main: bool) -> dict[str, Any]:
+def mark_followed(host_dir: Path, poll_s: float) -> None:
+    """A following controller asked now, and asks again within ``poll_s`` seconds (this host's own clock)."""
+    partial = host_dir / f"{FOLLOWED}.tmp{os.getpid()}"
+    try:
+        partial.write_text(json.dumps({"time": round(time.time(), 3), "poll_s": poll_s}), encoding="utf-8")
+        os.replace(partial, host_dir / FOLLOWED)
+    except OSError:
+        partial.unlink(missing_ok=True)  # a full disk: the ranks then count the controller as gone
+
+
+def status(run_dir: Path, host: str, main: bool, follow_poll_s: float = 0.0) -> dict[str, Any]:
     """state: running / finished / failed / stopped / lost / absent, exit code, live pids; on the main host
-    (the one that keeps the metrics) the last step, loss, tokens/s and ETA, and run.json's state and error."""
+    (the one that keeps the metrics) the last step, loss, tokens/s and ETA, and run.json's state and error.
+    ``follow_poll_s`` > 0: the controller that follows the run asks, every that many seconds (``mark_followed``);
+    ``make status`` and the dashboards ask with 0."""
     host_dir = run_dir / "hosts" / host
     result: dict[str, Any] = {"host": host, "run_dir": str(run_dir), "job": run_dir.name}
     if not host_dir.is_dir():
         return {**result, "state": "absent"}
+    if follow_poll_s > 0:
+        mark_followed(host_dir, follow_poll_s)
     pids = job_pids(run_dir, host)
     exit_code = _read_int(host_dir / EXIT_CODE)
     if pids:

@@ -32,10 +32,11 @@ class ExporterStates:
 
     def __init__(
         self, targets: list[Target], job_id: str, timeout_s: float = TIMEOUT_S,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, follow_poll_s: float = 0.0,
     ) -> None:  # fmt: skip
         self.targets = {t.host: t for t in targets}
         self.job_id = job_id
+        self.follow_poll_s = follow_poll_s  # > 0: the controller that follows the run asks (ugro_jobstate FOLLOWED)
         self.timeout_s = timeout_s
         self.digest = ugro_jobstate.digest()
         self.clock = clock
@@ -75,7 +76,10 @@ class ExporterStates:
         target = self.targets[host]
         at = target.endpoint
         try:
-            response = client.get(f"http://{at}/job/{self.job_id}" + ("?main=1" if main else ""))
+            query = {"main": "1"} if main else {}
+            if self.follow_poll_s > 0:
+                query["follow"] = f"{self.follow_poll_s:g}"
+            response = client.get(f"http://{at}/job/{self.job_id}", params=query)
         except httpx.TimeoutException:
             return f"{at}: no answer within {self.timeout_s:g} s (a busy host or a slow link)"
         except httpx.ConnectError as exc:

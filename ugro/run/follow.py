@@ -25,9 +25,10 @@ Until = Callable[[Statuses], bool]
 ENDED = {"finished", "failed", "stopped", "lost", "absent"}
 
 
-def local_source(run_dir: Path, hosts: list[str]) -> StatusSource:
-    """The run in the controller's own checkout, read with the code the hosts' fact module runs."""
-    return lambda: {host: ugro_jobstate.status(run_dir, host, main=True) for host in hosts}
+def local_source(run_dir: Path, hosts: list[str], follow_poll_s: float = 0.0) -> StatusSource:
+    """The run in the controller's own checkout, read with the code the hosts' fact module runs (``follow_poll_s``:
+    a controller that follows the run reads, every that many seconds)."""
+    return lambda: {host: ugro_jobstate.status(run_dir, host, True, follow_poll_s) for host in hosts}
 
 
 class RemoteSource:
@@ -43,10 +44,12 @@ class RemoteSource:
         main: str,
         exporters: ExporterStates | None = None,
         on_note: Callable[[str], None] | None = None,
+        follow_poll_s: float = 0.0,
     ) -> None:
         self.inventory, self.private_dir, self.hosts = inventory, private_dir, hosts
         self.main = main
-        self.extravars = {"ugro_job_id": job_id, "ugro_rendezvous_host": main}
+        # ugro_follow_poll_s > 0: the controller that follows the run asks (ugro_jobstate.mark_followed)
+        self.extravars = {"ugro_job_id": job_id, "ugro_rendezvous_host": main, "ugro_follow_poll_s": follow_poll_s}
         self.exporters = exporters
         self.on_note = on_note
         self.ran_playbook = True  # whether the last poll ran the status playbook

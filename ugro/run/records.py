@@ -59,6 +59,7 @@ class Restart:
     how: str = "relaunch"  # relaunch (from a checkpoint) or regroup (the survivors went on in their processes)
     membership_s: float | None = None  # regroup: the controller telling the survivors who is left
     regroup_s: float | None = None  # regroup: the ranks' own, from the collective that failed to the new group
+    decided_by: str = "controller"  # regroup: who named the survivors ("survivors": no controller followed)
 
     @property
     def settled(self) -> bool:
@@ -74,7 +75,9 @@ class Restart:
         redone)``."""
         redone = "?" if self.steps_redone is None else str(self.steps_redone)
         start = "?" if self.resumed_from_step is None else str(self.resumed_from_step)
-        done = "regrouped" if self.how == "regroup" else "relaunched"
+        done = "relaunched"
+        if self.how == "regroup":
+            done = "regrouped" + (" by the survivors themselves" if self.decided_by == "survivors" else "")
         return (f"restart {self.attempt}: {self.cause.line()} -> {done} on {', '.join(self.hosts_after)} "
                 f"from step {start} ({redone} steps redone)")  # fmt: skip
 

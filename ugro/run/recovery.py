@@ -151,6 +151,21 @@ def regroup_survivors(statuses: Statuses, hosts: list[str], main: str, gone: lis
     return survivors
 
 
+def survivors_regroups(statuses: Statuses, attempt: int, generation: int) -> list[dict[str, Any]]:
+    """The regroups of launch ``attempt`` newer than ``generation``, oldest first: those the ranks agreed on
+    themselves while no controller followed (train/consensus.py), from the main rank's history in run.json
+    (``regroups``) and every rank's newest (``rank_regrouped``)."""
+    found: dict[int, dict[str, Any]] = {}
+    for status in statuses.values():
+        for record in [status.get("rank_regrouped"), *(status.get("regroups") or [])]:
+            if not isinstance(record, dict) or record.get("attempt") != attempt or not record.get("hosts"):
+                continue
+            number = int(record.get("generation") or 0)
+            if number > generation:
+                found.setdefault(number, record)
+    return [found[number] for number in sorted(found)]
+
+
 def rendezvous_for(hosts: list[str], preferred: str) -> str:
     """The rendezvous (and main) host of a relaunch: the same one while it takes part, else the first left."""
     return preferred if preferred in hosts else hosts[0]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from train.config import JobConfig
 from ugro.hosts.inventory import Cluster
@@ -110,11 +111,12 @@ class Supervisor:
     def _source(self, hosts: list[str], main: str) -> tuple[Callable[[], Statuses], Pacer]:
         """Where the hosts' job states come from, and how often to ask."""
         if not self.cluster.remote:  # a local poll reads files: it costs nothing
-            return local_source(self.run_dir, hosts), Pacer(self.poll_s)
+            return local_source(self.run_dir, hosts, self.poll_s), Pacer(self.poll_s)
         if self._exporters is None:
             targets = [monitor.target(h, self.cluster.hostvars.get(h, {})) for h in self.cluster.hosts]
-            self._exporters = ExporterStates(targets, self.run_dir.name)
-        source = RemoteSource(self.inventory, self.run_dir.name, self.private, hosts, main, self._exporters, self._note)
+            self._exporters = ExporterStates(targets, self.run_dir.name, follow_poll_s=self.poll_s)
+        source = RemoteSource(self.inventory, self.run_dir.name, self.private, hosts, main, self._exporters, self._note,
+                              follow_poll_s=self.poll_s)  # fmt: skip
         return source, Pacer(self.poll_s, START_POLL_S, lambda: source.ran_playbook)
 
     def _note(self, line: str) -> None:
@@ -267,6 +269,12 @@ class Supervisor:
                 verdict, statuses, watch, last_step = self._follow(attempt, hosts, main, generation)
                 last_checkpoint = _step_of(statuses.get(main, {}).get("last_checkpoint"))
                 self._settle_restart(attempt, generation, statuses, main)
+                agreed = recovery.survivors_regroups(statuses, attempt, generation)
+                if agreed:  # while no controller followed, the survivors went on without a host: follow them
+                    hosts, main, generation = self._adopt(agreed, hosts)
+                    relaunch = False
+                    self._record(hosts, main)
+                    continue
                 if verdict in ("finished", "stopped"):
                     self._copies_settled(hosts)
                     if generation:  # the survivors' torchrun agents wait for the lost host's at their exit barrier
@@ -346,6 +354,28 @@ class Supervisor:
             )
             hosts, main = candidates, new_main
             self._record(hosts, main)
+
+    def _adopt(self, agreed: list[dict[str, Any]], hosts: list[str]) -> tuple[list[str], str, int]:
+        """The regroups the survivors agreed on themselves (``agreed``, oldest first) become the run's restarts; the
+        hosts, main host and generation the run has now."""
+        main, generation = hosts[0], 0
+        for record in agreed:
+            after = [str(h) for h in record["hosts"]]
+            left = [h for h in hosts if h not in after]
+            main, generation = str(record.get("main") or after[0]), int(record["generation"])
+            restart = Restart(
+                attempt=len(self.restarts) + 1, time=float(record.get("time") or time.time()),
+                cause=Cause("lost", "its job was gone or it did not answer; the survivors went on without it",
+                            ", ".join(left) or "?"),
+                hosts_before=hosts, hosts_after=after, left_out=[h for h in self.cluster.hosts if h not in after],
+                rendezvous=main, checkpoint_step=None, last_step_seen=int(record.get("from_step") or 0),
+                how="regroup", regroup_s=record.get("seconds"), decided_by="survivors",
+            )  # fmt: skip
+            restart.settle(restart.last_step_seen, restart.last_step_seen)
+            self.restarts.append(restart)
+            self.console.print(f"[bold yellow]{escape(restart.line())}[/]", highlight=False)
+            hosts = after
+        return hosts, main, generation
 
     def _give_up(self, cause: Cause) -> str | None:
         if cause.kind in recovery.NOT_RESTARTABLE:

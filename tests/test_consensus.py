@@ -1,0 +1,138 @@
+"""Survivors decide who is left when no controller follows the run (train/consensus.py).
+
+Real sockets on loopback (as tests/test_heartbeat.py: a TCPStore answers, a closed port refuses, a listener with a
+full queue drops the connect as a cut link does), a real TCPStore for the agreement, and the status code a
+controller's poll runs on a host (the exporter's HTTP application and the fact module's ``status``) for the record
+of who follows. The whole path with real ranks is tests/test_regroup.py; with the real controller gone and coming
+back, tests/test_recovery.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from train import consensus, regroup
+from train.consensus import View
+from train.regroup import Membership
+from ugro.module_utils import ugro_exporter, ugro_jobstate
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _unanswering_port(held: list[socket.socket]) -> int:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    held.append(server)
+    port = int(server.getsockname()[1])
+    held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+    return port
+
+
+def test_probe_tells_a_host_whose_job_is_gone_from_one_that_does_not_answer() -> None:
+    live = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    held: list[socket.socket] = []
+    try:
+        view = consensus.probe({
+            "h2": f"127.0.0.1:{live.port}",
+            "h3": f"127.0.0.1:{_closed_port()}",
+            "h4": f"127.0.0.1:{_unanswering_port(held)}",
+        })  # fmt: skip
+    finally:
+        for sock in held:
+            sock.close()
+    assert view == View(down=frozenset({"h3"}), silent=frozenset({"h4"}))
+
+
+@pytest.mark.parametrize(
+    ("hosts", "main", "down", "silent", "expected"),
+    [
+        # A job killed on one of five hosts: the four others go on, the main host stays.
+        (("h1", "h2", "h3", "h4", "h5"), "h1", {"h2"}, set(), (("h1", "h3", "h4", "h5"), "h1")),
+        # The main host cut off from two others: they are two of three, and the first of them keeps the run.
+        (("h1", "h2", "h3"), "h1", set(), {"h1"}, (("h2", "h3"), "h2")),
+        # The lone host cut off sees the two others silent: one of three is no majority, it waits.
+        (("h1", "h2", "h3"), "h1", set(), {"h2", "h3"}, None),
+        # Two hosts that lose each other: either could be the one cut off; a controller decides.
+        (("h1", "h2"), "h1", set(), {"h2"}, None),
+        # Two hosts, the other one's job gone (its host refuses): it cannot train apart, this one goes on.
+        (("h1", "h2"), "h1", {"h1"}, set(), (("h2",), "h2")),
+        # Everyone answers (a frozen rank, a crash whose host's store still listens): the controller's to judge.
+        (("h1", "h2", "h3"), "h1", set(), set(), None),
+    ],
+)
+def test_the_survivors_go_on_only_as_a_majority_and_keep_the_main_host_where_they_can(
+    hosts: tuple[str, ...], main: str, down: set[str], silent: set[str], expected: tuple[tuple[str, ...], str] | None
+) -> None:
+    proposal = consensus.propose(hosts, main, View(frozenset(down), frozenset(silent)), generation=2)
+    if expected is None:
+        assert proposal is None
+    else:
+        assert proposal == Membership(3, *expected)
+
+
+def test_every_rank_takes_the_first_proposal_that_reached_the_new_main_hosts_store() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
+    first = Membership(1, ("h1", "h3", "h4"), "h1")
+    late = Membership(1, ("h1", "h3"), "h1")  # a rank whose probe missed h4 for a moment
+    assert consensus.agree(first, client, attempt=0) == first
+    assert consensus.agree(late, server, attempt=0) == first
+    # The next generation, and another launch, are agreed anew.
+    assert consensus.agree(late, client, attempt=1) == late
+    assert consensus.agree(Membership(2, ("h1",), "h1"), server, attempt=0) == Membership(2, ("h1",), "h1")
+
+
+def _exporter_poll(runs: Path, query: str) -> dict[str, Any]:
+    app = ugro_exporter.application(lambda environ, start: [b""], runs, "h1")
+    answer: list[str] = []
+    body = app({"PATH_INFO": "/job/job-1", "QUERY_STRING": query}, lambda code, headers: answer.append(code))
+    assert answer == ["200 OK"]
+    return dict(json.loads(b"".join(body)))
+
+
+def test_a_host_knows_whether_a_controller_follows_the_run_from_its_polls(tmp_path: Path) -> None:
+    run_dir = tmp_path / "job-1"
+    (run_dir / "hosts" / "h1").mkdir(parents=True)
+    # `make status` and the dashboards ask without following: the ranks would wait for nobody.
+    _exporter_poll(tmp_path, "main=1")
+    ugro_jobstate.status(run_dir, "h1", main=True)
+    assert not consensus.controller_follows(run_dir, "h1")
+    # The following controller's poll, over HTTP every 2 s.
+    _exporter_poll(tmp_path, "main=1&follow=2")
+    assert consensus.controller_follows(run_dir, "h1")
+    # It stopped asking (Ctrl-C, a sleeping laptop): after three polls and the grace, the ranks decide themselves.
+    later = time.time() + 3 * 2 + consensus.FOLLOW_GRACE_S + 1
+    assert not consensus.controller_follows(run_dir, "h1", now=later)
+    # The fact module's poll (through Ansible) records it the same way.
+    ugro_jobstate.status(run_dir, "h1", main=False, follow_poll_s=30)
+    assert consensus.controller_follows(run_dir, "h1", now=later)
+    # A query that is not a number follows nothing.
+    (run_dir / "hosts" / "h1" / ugro_jobstate.FOLLOWED).unlink()
+    _exporter_poll(tmp_path, "follow=soon")
+    assert not consensus.controller_follows(run_dir, "h1")
+
+
+def test_a_peer_whose_job_is_gone_breaks_the_group_at_once(tmp_path: Path) -> None:
+    """No collective waits out its timeout for a peer the heartbeat found gone (a cut link sends no reset)."""
+    (tmp_path / "hosts" / "h1").mkdir(parents=True)
+    watch = regroup.Watcher(tmp_path, "h1")
+    beat = regroup.Heartbeat(tmp_path, "h1", {"h2": f"127.0.0.1:{_closed_port()}"}, watch)
+    try:
+        deadline = time.monotonic() + 5
+        while watch.broken is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        beat.stop()
+    assert watch.broken == "cannot reach the regroup store of h2"
