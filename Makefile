@@ -136,14 +136,14 @@ typecheck: venv
 	# An action plugin shares its module's name (library/), so mypy checks it on its own.
 	$(VENV)/bin/mypy action_plugins
 
-# The full tier (what CI runs): lint, types, every test (the test cluster, torchrun, Ansible and SLURM ones need
-# root and the tools .ci/run installs), then every role's Molecule scenario. Not side by side: on two cores
-# pytest's ranks and Molecule's Ansible both want the CPU, and together they took longer (docs/results.md).
-# Each phase prints its duration as it ends (tools/timed).
+# The full tier (what CI runs): lint and types side by side (each uses one core: ansible-lint and mypy), every
+# test (the test cluster, torchrun, Ansible and SLURM ones need root and the tools .ci/run installs), then every
+# role's Molecule scenario. Tests and Molecule not side by side: on two cores pytest's ranks and Molecule's
+# Ansible both want the CPU, and together they took longer (docs/results.md). Each phase prints its duration as
+# it ends (tools/timed); a failing check's output comes whole (--output-sync).
 TIMED := tools/timed
 test: venv
-	$(TIMED) "make test: lint" $(MAKE) --no-print-directory lint
-	$(TIMED) "make test: types" $(MAKE) --no-print-directory typecheck
+	$(TIMED) "make test: lint and types" $(MAKE) --no-print-directory -j2 --output-sync=target lint typecheck
 	$(TIMED) "make test: pytest" $(PY) -m pytest $(PYTEST_ARGS) tests
 	$(TIMED) "make test: Molecule" $(MAKE) --no-print-directory molecule
 
