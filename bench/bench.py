@@ -159,7 +159,7 @@ def bare(job_file: Path, steps: int = 20, skip: int = 4) -> None:
     torch.manual_seed(0)
     job = load_job(job_file, benchmark=True)
     model, tokenizer, _ = load_model(job, REPO, torch.device("cpu"))
-    blocks = prepare(job.data, tokenizer, REPO)
+    blocks = prepare(job.data, tokenizer, REPO, job.train.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=job.optim.lr)
     batch, micro = job.train.global_batch_size, job.rank_local.micro_batch_size

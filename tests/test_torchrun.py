@@ -109,22 +109,3 @@ def test_non_finite_loss_stops_with_a_diagnosis_and_keeps_the_last_good_checkpoi
     assert kept, "the last good checkpoint must be kept"
     bad_step = int(status["error"].split("step ")[1].split(":")[0])
     assert int(kept[-1].name.split("-")[1]) == bad_step - 1
-
-
-def test_a_sharegpt_file_trains(tmp_path: Path, torchrun: Run) -> None:
-    """The sample data as most public chat sets publish theirs (ShareGPT: conversations of from/value, human/gpt)."""
-    shared = tmp_path / "sharegpt.jsonl"
-    with shared.open("w") as out:
-        for line in (REPO / "data" / "sample" / "train.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            asked = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-            turns = [{"from": "human", "value": asked}, {"from": "gpt", "value": row["output"]}]
-            out.write(json.dumps({"conversations": turns}) + "\n")
-    job = write_job(tmp_path / "job.yaml", data={"source": str(shared), "format": "chat"},
-                    train={"max_steps": 12, "global_batch_size": 4, "log_every": 1},
-                    checkpoint={"every": 12})  # fmt: skip
-    result = torchrun(job, tmp_path / "run", nproc=1)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = read_metrics(tmp_path / "run")
-    first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-3:]) / 3
-    assert len(rows) == 12 and last < 0.95 * first, f"loss went from {first} to {last}"

@@ -65,10 +65,50 @@ class LoraConfig(_Strict):
         return value
 
 
+# The fields each data.format reads, which data.columns may map from other names (docs/data.md).
+FORMAT_FIELDS = {
+    "instruction": ("instruction", "input", "output"),
+    "chat": ("messages", "role", "content"),
+    "text": ("text",),
+}
+ChatRole = Literal["system", "user", "assistant"]
+
+
+class DataSet(_Strict):
+    """One of several data sets of a job (data.sources), with its weight and, where its shape differs from the
+    others, a column and role mapping of its own."""
+
+    source: str = Field(description="A data file, folder or hub name, as data.source.")
+    weight: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="How many times its records count in an epoch: 2 repeats every record, 0.5 takes a seeded half "
+        "of them (train.seed), 1.5 every record and a seeded half again.",
+    )
+    columns: dict[str, str] | None = Field(None, description="As data.columns, for this set (default: data.columns).")
+    roles: dict[str, ChatRole] | None = Field(None, description="As data.roles, for this set (default: data.roles).")
+
+
 class DataConfig(_Strict):
-    source: str = Field(
+    source: str | None = Field(
+        None,
         description="Local .jsonl/.json/.csv/.parquet file, .txt/.md notes (data.format text) or a folder of them, "
-        "a datasets folder, or a datasets hub name (docs/data.md)."
+        "a datasets folder, or a datasets hub name (docs/data.md). Or data.sources, for several.",
+    )
+    sources: list[DataSet] | None = Field(
+        None, min_length=1, description="Several data sets in one job, each with a weight (instead of data.source)."
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="The record's own names of the fields data.format reads: instruction: {instruction: question, "
+        "input: context, output: answer}; chat: {messages: dialog, role: speaker, content: text}; text: {text: "
+        "body}.",
+    )
+    roles: dict[str, ChatRole] = Field(
+        default_factory=dict,
+        description="Speaker names of a chat data set and the chat role each stands for ({customer: user, agent: "
+        "assistant}), beside the usual ones (user, assistant, system; ShareGPT's human and gpt).",
     )
     format: Literal["instruction", "chat", "text"] = "instruction"
     split: str = "train"
@@ -81,6 +121,36 @@ class DataConfig(_Strict):
         "an instruct model was trained with); plain: '### Instruction / ### Response' text; auto: chat when the "
         "tokenizer has a chat template.",
     )
+
+    @model_validator(mode="after")
+    def _one_source_and_known_columns(self) -> DataConfig:
+        if (self.source is None) == (self.sources is None):
+            raise ValueError(
+                "name the training data in data.source (one data set) or in data.sources (several), one of the two"
+            )
+        known = FORMAT_FIELDS[self.format]
+        mappings = [("data.columns", self.columns)] + [
+            (f"data.sources[{i}].columns", s.columns or {}) for i, s in enumerate(self.sources or [])
+        ]
+        for key, columns in mappings:
+            for name, theirs in columns.items():
+                if name not in known:
+                    raise ValueError(f"{key}: '{name}' is no field of data.format '{self.format}' (it reads "
+                                     f"{', '.join(known)}); map those to your records' names, such as {known[0]}: "
+                                     f"{theirs}")  # fmt: skip
+                if not theirs:
+                    raise ValueError(f"{key}.{name}: name the field of your records that holds {name}")
+        return self
+
+    def sets(self) -> list[DataSet]:
+        """Every training data set, each with the column and role mapping that applies to it."""
+        if self.source is not None:
+            return [DataSet(source=self.source, columns=self.columns, roles=self.roles)]
+        return [
+            s.model_copy(update={"columns": s.columns if s.columns is not None else self.columns,
+                                 "roles": s.roles if s.roles is not None else self.roles})
+            for s in self.sources or []
+        ]  # fmt: skip
 
 
 class EvalConfig(_Strict):
@@ -369,6 +439,11 @@ def _describe(error: ValidationError, path: Path | str, prefix: str = "") -> str
             lines.append(f"{path}: unknown key '{key}' (check the spelling; see jobs/default.yaml for every key)")
         elif err["type"] == "missing":
             lines.append(f"{path}: missing required key '{key}'")
+        elif err["type"] == "value_error":  # ours: the message names its keys (a combination has no one key)
+            message = str(err["msg"]).removeprefix("Value error, ")
+            lines.append(
+                f"{path}: {message}" if not err["loc"] or key in message else f"{path}: key '{key}': {message}"
+            )
         else:
             got = err.get("input")
             shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from train.config import ConfigError, DataConfig
-from train.records import Record, check_record, load_records, messages
+from train.records import Record, check_record, held_out_records, messages, training_data
 
 IGNORE = -100
 Example = tuple[list[int], list[int]]  # one record's token ids and labels
@@ -33,6 +33,7 @@ class Blocks(Dataset[dict[str, torch.Tensor]]):
     attention_mask: torch.Tensor
     records: int = 0  # how many records the blocks were built from (run.json ``data``)
     position_ids: torch.Tensor | None = None
+    sets: tuple[dict[str, Any], ...] = ()  # per data set: source, weight, records read and used (train/records.py)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -222,15 +223,17 @@ def pad_id(tokenizer: Any) -> int:
     return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
 
 
-def prepare(cfg: DataConfig, tokenizer: Any, base_dir: Path) -> Blocks:
-    """The training blocks every rank builds identically."""
-    records = load_records(cfg.source, base_dir, cfg.split, fmt=cfg.format)
-    return build_blocks(tokenize(records, cfg, tokenizer), cfg, pad_id(tokenizer))
+def prepare(cfg: DataConfig, tokenizer: Any, base_dir: Path, seed: int = 0) -> Blocks:
+    """The training blocks every rank builds identically (``seed``: train.seed, which picks the records of a data
+    set's fractional weight)."""
+    found = training_data(cfg, base_dir, seed)
+    blocks = build_blocks(tokenize(found.records, cfg, tokenizer), cfg, pad_id(tokenizer))
+    return replace(blocks, sets=tuple(found.sets))
 
 
 def prepare_eval(source: str, cfg: DataConfig, tokenizer: Any, base_dir: Path) -> tuple[list[Record], Blocks]:
     """The held-out records and their unpacked rows, for evaluation: one per record (truncated to data.seq_len), or
     as many as a text document fills, so that its held-out loss counts every token."""
-    records = load_records(source, base_dir, cfg.split, key="eval.source", fmt=cfg.format)
+    records = held_out_records(source, cfg, base_dir)
     unpacked = cfg.model_copy(update={"packing": False})
     return records, build_blocks(tokenize(records, cfg, tokenizer), unpacked, pad_id(tokenizer))

@@ -14,7 +14,7 @@ import torch
 
 from train import checkpoint, distributed, engine, evaluate, placement, preempt, regroup, survivors
 from train.config import JobConfig
-from train.data import prepare
+from train.data import Blocks, prepare
 from train.distributed import RankInfo
 from train.failure import NonFiniteError
 from train.metrics import (
@@ -45,9 +45,18 @@ class Progress:
     regrouped: dict[str, Any] | None = None  # the last regroup, with the weights' digest once a step ran after it
 
 
-def _data_facts(job: JobConfig, code_dir: Path, records: int, held_out: evaluate.HeldOut | None) -> dict[str, Any]:
-    """run.json ``data``: each data file as the job names it, its sha256 and the records the run loaded from it."""
-    facts = {"train": describe_source(job.data.source, code_dir, records)}
+def _data_facts(job: JobConfig, code_dir: Path, blocks: Blocks, held_out: evaluate.HeldOut | None) -> dict[str, Any]:
+    """run.json ``data``: each data file as the job names it, its sha256 and the records the run loaded from it
+    (with several data sets, ``train_sets``: each one's, with its weight and the records it gave an epoch)."""
+    facts: dict[str, Any] = {}
+    if job.data.source is not None:
+        facts["train"] = describe_source(job.data.source, code_dir, blocks.records)
+    else:
+        facts["train"] = {"source": f"{len(blocks.sets)} data sets", "sha256": None, "records": blocks.records}
+        facts["train_sets"] = [
+            describe_source(s["source"], code_dir, s["read"]) | {"weight": s["weight"], "used": s["used"]}
+            for s in blocks.sets
+        ]
     if held_out is not None and job.eval is not None:
         facts["eval"] = describe_source(job.eval.source, code_dir, len(held_out.records))
     return facts
@@ -61,10 +70,10 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     job = placement.sized(job, layout, info.rank)  # a smaller micro-batch where only that fits the whole model
     trainer = engine.build(job, info, code_dir, layout, run_dir)  # a whole replica, or this rank's stage
     tokenizer, backend = trainer.tokenizer, trainer.backend
-    blocks = prepare(job.data, tokenizer, code_dir)
+    blocks = prepare(job.data, tokenizer, code_dir, job.train.seed)
     job = job.for_rows(len(blocks))  # train.epochs: the run's length in steps, from the rows every rank built
     held_out = evaluate.load(job, tokenizer, code_dir)
-    data = _data_facts(job, code_dir, blocks.records, held_out) if info.is_main else None  # hashing: inside the wait
+    data = _data_facts(job, code_dir, blocks, held_out) if info.is_main else None  # hashing: inside the wait
     # Loading takes each host its own time; from here on collectives wait at most distributed.timeout_s.
     distributed.wait_for_all("the model and data are loaded", job.distributed.startup_timeout_s)
     # Where a launch's seconds go (the controller prints them with its own: ugro/run/phases.py).
@@ -120,7 +129,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             # What the model card (ugro/model/card.py) tells: the job as the main rank runs it (rank_local with its
             # host's profile merged), and the data it trained and was judged on.
             job=job.model_dump(mode="json"),
-            data=data or _data_facts(job, code_dir, blocks.records, held_out),
+            data=data or _data_facts(job, code_dir, blocks, held_out),
         )
         return MetricsWriter(run_dir, job.train.max_steps, first)
 

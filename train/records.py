@@ -7,14 +7,19 @@ importing torch. train/data.py turns the records into tensors on the ranks.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from train.config import ConfigError, DataConfig
+from train.config import ConfigError, DataConfig, DataSet
 from train.digest import sha256_file, sha256_tree
 from train.sources import READERS, TEXT_SUFFIXES, Record, read_notes_folder
 
-__all__ = ["Record", "check_record", "describe_source", "is_chat", "load_records", "messages", "read_checked"]
+__all__ = [
+    "Record", "TrainingData", "check_record", "describe_source", "held_out_records", "is_chat", "load_records",
+    "map_record", "messages", "read_checked", "training_data", "weighted",
+]  # fmt: skip
 
 _LINELESS = (".parquet",)  # local files read through ``datasets``: their records are named "row N"
 
@@ -114,6 +119,82 @@ def check_record(record: Record, fmt: str) -> None:
         raise bad("no 'assistant' message to train on")
 
 
+def map_record(record: Record, fmt: str, columns: Mapping[str, str], roles: Mapping[str, str]) -> Record:
+    """The record with the fields ``fmt`` reads under their own names (data.columns maps them from the record's) and
+    every chat speaker named by its role (data.roles, beside the usual names)."""
+    fields = dict(record.fields)
+    outer = {name: theirs for name, theirs in columns.items() if name not in ("role", "content")}
+    for name, theirs in outer.items():
+        if theirs in fields:
+            fields[name] = fields.pop(theirs)
+        elif name != "input":
+            raise ConfigError(f"{record.where}: no '{theirs}' (data.columns maps it to '{name}'); the record has "
+                              f"{', '.join(repr(k) for k in record.fields) or 'no field'}")  # fmt: skip
+    if fmt == "chat" and ("role" in columns or "content" in columns or roles):
+        shape = _chat_shape(fields)
+        if shape is not None and isinstance(fields[shape[0]], list):
+            key, role, content = shape
+            role, content = columns.get("role", role), columns.get("content", content)
+            speakers = {name.strip().lower(): value for name, value in roles.items()}
+            fields[key] = [
+                {"role": speakers.get(str(t.get(role, "")).strip().lower(), t.get(role)), "content": t.get(content)}
+                if isinstance(t, dict) else t
+                for t in fields[key]
+            ]  # fmt: skip
+            if key == "conversations":  # now in OpenAI's keys
+                fields["messages"] = fields.pop("conversations")
+    return Record(record.where, fields)
+
+
+def load_set(data_set: DataSet, cfg: DataConfig, base_dir: Path, key: str) -> list[Record]:
+    """One data set's records, mapped to data.format's fields."""
+    records = load_records(data_set.source, base_dir, cfg.split, key, cfg.format)
+    return [map_record(r, cfg.format, data_set.columns or {}, data_set.roles or {}) for r in records]
+
+
+def weighted(records: list[Record], weight: float, seed: int) -> list[Record]:
+    """``records`` as often as ``weight`` says: every record int(weight) times, then a seeded share of them (in
+    their order) for the fraction."""
+    whole, fraction = int(weight), weight - int(weight)
+    extra = sorted(random.Random(seed).sample(range(len(records)), round(fraction * len(records))))
+    return records * whole + [records[i] for i in extra]
+
+
+class TrainingData(NamedTuple):
+    """The training records of every data set, weighted, and what each set gave (run.json ``data``)."""
+
+    records: list[Record]
+    sets: list[dict[str, Any]]  # per set: source, weight, records read, records after the weight
+
+
+def training_data(cfg: DataConfig, base_dir: Path, seed: int, check: bool = False) -> TrainingData:
+    """Every training data set (data.source, or data.sources each with its weight), mapped and weighted;
+    ``check``: every record checked against data.format (the controller does it before a launch; a rank checks
+    each as it tokenizes)."""
+    several = cfg.sources is not None
+    records: list[Record] = []
+    sets: list[dict[str, Any]] = []
+    for number, data_set in enumerate(cfg.sets()):
+        key = f"data.sources[{number}].source" if several else "data.source"
+        read = load_set(data_set, cfg, base_dir, key)
+        if check:
+            for record in read:
+                check_record(record, cfg.format)
+        chosen = weighted(read, data_set.weight, seed + number)
+        records += chosen
+        sets.append({"source": data_set.source, "weight": data_set.weight, "read": len(read), "used": len(chosen)})
+    return TrainingData(records, sets)
+
+
+def held_out_records(source: str, cfg: DataConfig, base_dir: Path, check: bool = False) -> list[Record]:
+    """eval.source's records, mapped as data.columns and data.roles say."""
+    records = load_set(DataSet(source=source, columns=cfg.columns, roles=cfg.roles), cfg, base_dir, "eval.source")
+    if check:
+        for record in records:
+            check_record(record, cfg.format)
+    return records
+
+
 def read_checked(source: str, cfg: DataConfig, base_dir: Path, key: str = "data.source") -> list[Record]:
     """Read a data file and check every record against data.format (the controller does it before a launch)."""
     records = load_records(source, base_dir, cfg.split, key, cfg.format)
@@ -130,7 +211,7 @@ ROLES = {
     "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "model": "assistant",
     "bot": "assistant",
 }  # fmt: skip
-_KNOWN_ROLES = "user, assistant, system; ShareGPT's human and gpt"
+_KNOWN_ROLES = "user, assistant, system; ShareGPT's human and gpt; or name the role in data.roles"
 
 
 def _chat_shape(row: dict[str, Any]) -> tuple[str, str, str] | None:

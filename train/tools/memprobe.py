@@ -68,7 +68,7 @@ def probe(job_file: Path, profile: Path | None, host: str, steps: int, code_dir:
         torch.manual_seed(job.train.seed)
         model, tokenizer, backend = load_model(job, code_dir, device)
         result["backend"] = backend
-        blocks = prepare(job.data, tokenizer, code_dir)
+        blocks = prepare(job.data, tokenizer, code_dir, job.train.seed)
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=job.optim.lr)
         model.train()

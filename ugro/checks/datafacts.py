@@ -13,7 +13,7 @@ from rich.text import Text
 from train.config import ConfigError, JobConfig
 from train.data import IGNORE, Blocks, build_blocks, pad_id, tokenize
 from train.model import load_tokenizer
-from train.records import load_records
+from train.records import training_data
 from ugro.checks.jobcheck import model_dir
 
 TRAINED_STYLE = "bold green"
@@ -60,7 +60,7 @@ def tokenized(job: JobConfig, repo: Path) -> Tokenized | None:
         tokenizer = load_tokenizer(job.model, repo)
     except (OSError, ValueError):
         return None
-    records = load_records(job.data.source, repo, job.data.split, fmt=job.data.format)
+    records = training_data(job.data, repo, job.train.seed).records
     examples = tokenize(records, job.data, tokenizer)
     blocks = build_blocks(examples, job.data, pad_id(tokenizer))
     sized = job.for_rows(len(blocks))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from train.config import ConfigError, JobConfig
-from train.records import Record, messages, read_checked
+from train.records import Record, held_out_records, messages, training_data
 from ugro.model import basemodel
 
 
@@ -44,10 +44,10 @@ def _questions(records: list[Record], fmt: str) -> dict[str, str]:
 
 def check_data(job: JobConfig, repo: Path) -> DataSummary:
     """Read and check the training and held-out data; an evaluation question also trained on is an error."""
-    train = read_checked(job.data.source, job.data, repo)
+    train = training_data(job.data, repo, job.train.seed, check=True).records
     if job.eval is None:
         return DataSummary(len(train), 0)
-    held_out = read_checked(job.eval.source, job.data, repo, key="eval.source")
+    held_out = held_out_records(job.eval.source, job.data, repo, check=True)
     trained = _questions(train, job.data.format)
     for question, where in _questions(held_out, job.data.format).items():
         if question in trained:

@@ -228,6 +228,10 @@ def _base_section(base: Base, job: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _digest(entry: dict[str, Any]) -> str:
+    return f"`{entry['sha256']}`" if entry.get("sha256") else "none (a hub dataset: no local file to hash)"
+
+
 def _data_section(run: dict[str, Any]) -> str:
     data = run.get("data")
     if not isinstance(data, dict) or not data:
@@ -239,8 +243,14 @@ def _data_section(run: dict[str, Any]) -> str:
         if not isinstance(entry, dict):
             lines.append(f"| {label} | {'none' if key == 'eval' else NOT_RECORDED} | | |")
             continue
-        digest = f"`{entry['sha256']}`" if entry.get("sha256") else "none (a hub dataset: no local file to hash)"
-        lines.append(f"| {label} | `{_cell(str(entry.get('source')))}` | {entry.get('records', '?')} | {digest} |")
+        sets = data.get("train_sets") if key == "train" else None
+        if isinstance(sets, list) and sets:  # several data sets: one row each, its weight and what it gave
+            for one in (s for s in sets if isinstance(s, dict)):
+                records = f"{one.get('records', '?')} (weight {one.get('weight', 1)}: {one.get('used', '?')})"
+                lines.append(f"| {label} | `{_cell(str(one.get('source')))}` | {records} | {_digest(one)} |")
+            continue
+        source, records = _cell(str(entry.get("source"))), entry.get("records", "?")
+        lines.append(f"| {label} | `{source}` | {records} | {_digest(entry)} |")
     lines += ["", "`make train` refuses a job whose held-out questions are also trained on."]
     return "\n".join(lines)
 

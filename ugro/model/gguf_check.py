@@ -281,7 +281,7 @@ def check(
 
 def held_out(job: JobConfig, tokenizer: Any, repo: Path) -> tuple[evaluate.HeldOut, list[tuple[str, list[int]]]]:
     """The rows the run's held-out loss was measured on, and each record's question as the model is prompted."""
-    source = job.eval.source if job.eval is not None else job.data.source
+    source = job.eval.source if job.eval is not None else job.data.sets()[0].source
     records, blocks = prepare_eval(source, job.data, tokenizer, repo)
     prompts = []
     for record in records:
