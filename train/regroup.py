@@ -281,7 +281,7 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
 def broken(exc: BaseException) -> bool:
     """Whether ``exc`` ended a step because the group lost a member (then the rank may rejoin the survivors)."""
     watch = watcher()
-    if watch is None:
+    if watch is None or isinstance(exc, failure.NonFiniteError):  # every rank found it: going on would repeat it
         return False
     if isinstance(exc, GroupLost) or watch.broken is not None:
         return True
