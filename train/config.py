@@ -115,12 +115,20 @@ class DataConfig(_Strict):
     seq_len: int = Field(256, ge=8)
     packing: bool = True
     train_on: Literal["completion", "all"] = "completion"
-    template: Literal["auto", "chat", "plain"] = Field(
+    template: str = Field(
         "auto",
         description="How instruction and chat records become text. chat: the tokenizer's own chat template (what "
         "an instruct model was trained with); plain: '### Instruction / ### Response' text; auto: chat when the "
-        "tokenizer has a chat template.",
+        "tokenizer has a chat template; chatml, or a .jinja file: that chat template, which the run's tokenizer "
+        "then carries (make chat, the GGUF export and the Ollama Modelfile use it).",
     )
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, value: str) -> str:
+        if value not in ("auto", "chat", "plain", "chatml") and not value.endswith(".jinja"):
+            raise ValueError(f"'{value}' is no template: use auto, chat, plain, chatml or a .jinja file's path")
+        return value
 
     @model_validator(mode="after")
     def _one_source_and_known_columns(self) -> DataConfig:

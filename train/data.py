@@ -69,6 +69,8 @@ def uses_chat_template(cfg: DataConfig, tokenizer: Any) -> bool:
     """data.template: chat uses the tokenizer's own template; auto does so when the tokenizer has one."""
     if cfg.format == "text" or cfg.template == "plain":
         return False
+    if cfg.template not in ("auto", "chat"):  # a named one, set on the tokenizer (train/templates.py)
+        return True
     has = bool(getattr(tokenizer, "chat_template", None))
     if cfg.template == "chat" and not has:
         raise ConfigError("data.template: 'chat' was asked for but the tokenizer has no chat template; use 'plain'")

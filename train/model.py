@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import torch
 
-from train import devicecheck, headloss, targets
+from train import devicecheck, headloss, targets, templates
 from train.config import ConfigError, JobConfig, LoraConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,7 @@ def load_model(job: JobConfig, base_dir: Path, device: torch.device) -> tuple[An
     checkpointing = job.rank_local.gradient_checkpointing
     if backend == "unsloth" and job.model.init == "pretrained":
         model, tokenizer = load_unsloth(job, base_dir, device.index or 0, checkpointing)
+        templates.apply(tokenizer, job.data, base_dir)
         headloss.head(model)  # how the loss reaches the vocabulary, decided (and logged) once
         return model, tokenizer, backend
     if backend == "unsloth":
@@ -204,6 +205,7 @@ def load_model(job: JobConfig, base_dir: Path, device: torch.device) -> tuple[An
         backend = "hf"
     without_bitsandbytes(job.model, backend)
     tokenizer = load_tokenizer(job.model, base_dir)
+    templates.apply(tokenizer, job.data, base_dir)
     base = load_base_hf(job.model, base_dir, device, job.train.seed)
     model = add_lora_hf(base, job.lora, job.model, checkpointing)
     headloss.head(model)

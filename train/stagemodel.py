@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from train import templates
 from train.config import ConfigError, JobConfig
 from train.data import model_inputs
 from train.topology import PIPELINE_TYPES, Stage
@@ -143,6 +144,7 @@ def load_stage(job: JobConfig, code_dir: Path, stage: Stage, first: bool, last: 
     without_bitsandbytes(job.model, "hf")
     source = Path(resolve_path(job.model.source, code_dir))
     tokenizer = load_tokenizer(job.model, code_dir)
+    templates.apply(tokenizer, job.data, code_dir)
     scratch.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f"stage-{stage.start}-{stage.end}-", dir=scratch))
     try:

@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.text import Text
 
+from train import templates
 from train.config import ConfigError, JobConfig
 from train.data import IGNORE, Blocks, build_blocks, pad_id, tokenize
 from train.model import load_tokenizer
@@ -58,6 +59,7 @@ def tokenized(job: JobConfig, repo: Path) -> Tokenized | None:
         return None  # a hub name: validate downloads nothing
     try:
         tokenizer = load_tokenizer(job.model, repo)
+        templates.apply(tokenizer, job.data, repo)
     except (OSError, ValueError):
         return None
     records = training_data(job.data, repo, job.train.seed).records

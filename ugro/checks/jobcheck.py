@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from train import templates
 from train.config import ConfigError, JobConfig
 from train.records import Record, held_out_records, messages, training_data
 from ugro.model import basemodel
@@ -44,6 +45,7 @@ def _questions(records: list[Record], fmt: str) -> dict[str, str]:
 
 def check_data(job: JobConfig, repo: Path) -> DataSummary:
     """Read and check the training and held-out data; an evaluation question also trained on is an error."""
+    templates.named(job.data.template, repo)  # a .jinja file that is not there is refused before anything starts
     train = training_data(job.data, repo, job.train.seed, check=True).records
     if job.eval is None:
         return DataSummary(len(train), 0)
