@@ -136,3 +136,35 @@ def test_a_peer_whose_job_is_gone_breaks_the_group_at_once(tmp_path: Path) -> No
     finally:
         beat.stop()
     assert watch.broken == "cannot reach the regroup store of h2"
+
+
+def test_a_controller_that_comes_back_records_the_regroups_the_survivors_agreed_on() -> None:
+    """`make follow` after the survivors went on twice without a controller: both regroups become restarts, from
+    the main rank's history and the ranks' own records, and the run is followed on the hosts and main host left."""
+    from ugro.run import recovery
+    from ugro.run.attach import Supervision
+
+    def regroup(generation: int, hosts: list[str], main: str, step: int) -> dict[str, Any]:
+        return {"generation": generation, "attempt": 1, "from_step": step, "seconds": 1.4, "hosts": hosts,
+                "main": main, "decided_by": "survivors", "time": 1_800_000_000.0 + step}  # fmt: skip
+
+    first, second = regroup(1, ["tb1", "tb3", "tb4"], "tb1", 14), regroup(2, ["tb3", "tb4"], "tb3", 21)
+    statuses = {
+        "tb3": {"state": "running", "rank_regrouped": second, "regroups": [first, second]},  # the main now
+        "tb4": {"state": "running", "rank_regrouped": second},
+        "tb1": {"state": "unreachable"},
+        "tb2": {"state": "lost", "rank_regrouped": regroup(1, ["tb1", "tb2"], "tb1", 3) | {"attempt": 0}},
+    }
+    agreed = recovery.survivors_regroups(statuses, attempt=1, generation=0)
+    assert [r["generation"] for r in agreed] == [1, 2]  # the earlier launch's record is not this one's
+    assert recovery.survivors_regroups(statuses, attempt=1, generation=2) == []  # seen already
+    restarts, (hosts, main, generation) = recovery.adopted(agreed, ["tb1", "tb2", "tb3", "tb4"],
+                                                           ["tb1", "tb2", "tb3", "tb4"], restarts_before=1)  # fmt: skip
+    assert (hosts, main, generation) == (["tb3", "tb4"], "tb3", 2)
+    assert [(r.attempt, r.cause.host, r.hosts_after, r.rendezvous) for r in restarts] == [
+        (2, "tb2", ["tb1", "tb3", "tb4"], "tb1"), (3, "tb1", ["tb3", "tb4"], "tb3")]  # fmt: skip
+    assert all(r.steps_redone == 0 and r.decided_by == "survivors" for r in restarts)
+    assert restarts[1].line().startswith("restart 3: lost on tb1: ")
+    assert "-> regrouped by the survivors themselves on tb3, tb4 from step 21 (0 steps redone)" in restarts[1].line()
+    # A controller that takes the run up later counts the same membership generation (ugro/run/attach.py).
+    assert Supervision(hosts, main, restarts, []).generation == 2

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ugro.run.records import Cause
+from ugro.run.records import Cause, Restart
 
 Statuses = Mapping[str, Mapping[str, Any]]
 
@@ -164,6 +164,32 @@ def survivors_regroups(statuses: Statuses, attempt: int, generation: int) -> lis
             if number > generation:
                 found.setdefault(number, record)
     return [found[number] for number in sorted(found)]
+
+
+def adopted(
+    agreed: list[dict[str, Any]], hosts: list[str], inventory: list[str], restarts_before: int
+) -> tuple[list[Restart], tuple[list[str], str, int]]:
+    """The survivors' own regroups (``survivors_regroups``) as the run's restarts, numbered after
+    ``restarts_before``, and the hosts, main host and generation the run has after them."""
+    restarts: list[Restart] = []
+    main, generation = hosts[0], 0
+    for record in agreed:
+        after = [str(h) for h in record["hosts"]]
+        left = [h for h in hosts if h not in after]
+        main, generation = str(record.get("main") or after[0]), int(record["generation"])
+        step = int(record.get("from_step") or 0)
+        restart = Restart(
+            attempt=restarts_before + len(restarts) + 1, time=float(record.get("time") or 0.0),
+            cause=Cause("lost", "its job was gone or it did not answer; the survivors went on without it",
+                        ", ".join(left) or "?"),
+            hosts_before=hosts, hosts_after=after, left_out=[h for h in inventory if h not in after],
+            rendezvous=main, checkpoint_step=None, last_step_seen=step, how="regroup",
+            regroup_s=record.get("seconds"), decided_by="survivors",
+        )  # fmt: skip
+        restart.settle(step, step)  # nothing redone: the survivors went on from the newest step any of them had
+        restarts.append(restart)
+        hosts = after
+    return restarts, (hosts, main, generation)
 
 
 def rendezvous_for(hosts: list[str], preferred: str) -> str:

@@ -358,23 +358,11 @@ class Supervisor:
     def _adopt(self, agreed: list[dict[str, Any]], hosts: list[str]) -> tuple[list[str], str, int]:
         """The regroups the survivors agreed on themselves (``agreed``, oldest first) become the run's restarts; the
         hosts, main host and generation the run has now."""
-        main, generation = hosts[0], 0
-        for record in agreed:
-            after = [str(h) for h in record["hosts"]]
-            left = [h for h in hosts if h not in after]
-            main, generation = str(record.get("main") or after[0]), int(record["generation"])
-            restart = Restart(
-                attempt=len(self.restarts) + 1, time=float(record.get("time") or time.time()),
-                cause=Cause("lost", "its job was gone or it did not answer; the survivors went on without it",
-                            ", ".join(left) or "?"),
-                hosts_before=hosts, hosts_after=after, left_out=[h for h in self.cluster.hosts if h not in after],
-                rendezvous=main, checkpoint_step=None, last_step_seen=int(record.get("from_step") or 0),
-                how="regroup", regroup_s=record.get("seconds"), decided_by="survivors",
-            )  # fmt: skip
-            restart.settle(restart.last_step_seen, restart.last_step_seen)
-            self.restarts.append(restart)
+        inventory = list(self.cluster.hosts)
+        adopted, (hosts, main, generation) = recovery.adopted(agreed, hosts, inventory, len(self.restarts))
+        for restart in adopted:
             self.console.print(f"[bold yellow]{escape(restart.line())}[/]", highlight=False)
-            hosts = after
+        self.restarts += adopted
         return hosts, main, generation
 
     def _give_up(self, cause: Cause) -> str | None:
