@@ -61,7 +61,7 @@ def go_on(
     new = distributed.rejoin(info, membership, job.distributed.timeout_s)
     beat = regroup.heartbeat()
     if beat is not None:
-        beat.keep(membership.hosts)  # before the new group counts: a lost host's silence must not break it
+        beat.keep(membership.hosts)  # the lost hosts are no peers any more
     watch.joined(membership)
     target, source, behind = regroup.agree_step(done)
     if behind:
@@ -94,9 +94,10 @@ def who_is_left(
 ) -> tuple[regroup.Membership, str] | None:
     """The membership to go on in, and who decided it ("controller" or "survivors"), or None after ``within_s``.
 
-    While a controller follows the run (it asked this host within three of its polls), its word is awaited;
-    otherwise the survivors probe each other and agree (train/consensus.py). A controller that stops asking in the
-    meantime (its laptop went to sleep) leaves the decision to the survivors."""
+    While a controller follows the run (it asked this host within three of its polls), or a batch scheduler runs
+    it, the controller's word is awaited; otherwise the survivors probe each other and agree (train/consensus.py).
+    A controller that stops asking in the meantime (its laptop went to sleep) leaves the decision to the
+    survivors."""
     deadline = time.monotonic() + within_s
     hosts = tuple(dict.fromkeys(info.hosts))
     main = info.hosts[info.main_rank]
@@ -107,7 +108,7 @@ def who_is_left(
             return found, "controller"
         if time.monotonic() >= deadline:
             return None
-        if consensus.controller_follows(run_dir, info.host):
+        if consensus.scheduler() is not None or consensus.controller_follows(run_dir, info.host):
             continue
         proposal = consensus.propose(hosts, main, consensus.probe(peers), watch.generation)
         if proposal is None:
