@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from train import consensus
+from train import consensus, regroup
 from train.consensus import View
 from train.regroup import Membership
 from ugro.module_utils import ugro_exporter, ugro_jobstate
@@ -134,22 +134,36 @@ def test_under_a_batch_scheduler_the_survivors_never_decide_themselves(monkeypat
     assert consensus.scheduler() == "SLURM"
 
 
+def test_a_peer_whose_job_is_gone_breaks_the_group_at_once(tmp_path: Path) -> None:
+    """No collective waits out its timeout for a peer the heartbeat found gone (a cut link sends no reset)."""
+    (tmp_path / "hosts" / "h1").mkdir(parents=True)
+    watch = regroup.Watcher(tmp_path, "h1")
+    beat = regroup.Heartbeat(tmp_path, "h1", {"h2": f"127.0.0.1:{_closed_port()}"}, watch)
+    try:
+        deadline = time.monotonic() + 5
+        while watch.broken is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        beat.stop()
+    assert watch.broken == "cannot reach the regroup store of h2"
+
+
 def test_a_controller_that_comes_back_records_the_regroups_the_survivors_agreed_on() -> None:
     """`make follow` after the survivors went on twice without a controller: both regroups become restarts, from
     the main rank's history and the ranks' own records, and the run is followed on the hosts and main host left."""
     from ugro.run import recovery
     from ugro.run.attach import Supervision
 
-    def regroup(generation: int, hosts: list[str], main: str, step: int) -> dict[str, Any]:
+    def record(generation: int, hosts: list[str], main: str, step: int) -> dict[str, Any]:
         return {"generation": generation, "attempt": 1, "from_step": step, "seconds": 1.4, "hosts": hosts,
                 "main": main, "decided_by": "survivors", "time": 1_800_000_000.0 + step}  # fmt: skip
 
-    first, second = regroup(1, ["tb1", "tb3", "tb4"], "tb1", 14), regroup(2, ["tb3", "tb4"], "tb3", 21)
+    first, second = record(1, ["tb1", "tb3", "tb4"], "tb1", 14), record(2, ["tb3", "tb4"], "tb3", 21)
     statuses = {
         "tb3": {"state": "running", "rank_regrouped": second, "regroups": [first, second]},  # the main now
         "tb4": {"state": "running", "rank_regrouped": second},
         "tb1": {"state": "unreachable"},
-        "tb2": {"state": "lost", "rank_regrouped": regroup(1, ["tb1", "tb2"], "tb1", 3) | {"attempt": 0}},
+        "tb2": {"state": "lost", "rank_regrouped": record(1, ["tb1", "tb2"], "tb1", 3) | {"attempt": 0}},
     }
     agreed = recovery.survivors_regroups(statuses, attempt=1, generation=0)
     assert [r["generation"] for r in agreed] == [1, 2]  # the earlier launch's record is not this one's

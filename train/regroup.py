@@ -173,11 +173,15 @@ class Heartbeat:
     host silent would make a crash look like a cut link). The peers whose connects went unanswered (a time-out,
     no route) SILENT_AFTER times in a row are written to ``hosts/<host>/peers.json`` ({"silent": [host, ...]})
     whenever the list changes; the controller's status poll reads it, and a host that neither the controller nor
-    its peers can reach is gone after one poll instead of two (ugro/run/recovery.py ``Watch``). The loop stops it
-    when its last step is done."""
+    its peers can reach is gone after one poll instead of two (ugro/run/recovery.py ``Watch``).
 
-    def __init__(self, run_dir: Path, host: str, peers: dict[str, str]) -> None:
+    A peer that turns silent or refuses breaks the group (``watch.fail``): a collective waiting on a cut link hears
+    no reset and would wait out ``distributed.timeout_s``, and a dead NCCL peer is not always noticed either. The
+    loop stops the heartbeat when its last step is done: a peer that then ends its process breaks nothing."""
+
+    def __init__(self, run_dir: Path, host: str, peers: dict[str, str], watch: Watcher | None = None) -> None:
         self.path = run_dir / "hosts" / host / PEERS
+        self.watch = watch
         self._peers = dict(peers)  # host -> address:port of its regroup store
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -198,6 +202,7 @@ class Heartbeat:
         while not self._stopped.is_set():
             with self._lock:
                 peers = dict(self._peers)
+            refused: list[str] = []
             for host, endpoint in peers.items():
                 address, port = endpoint.rsplit(":", 1)
                 try:
@@ -205,9 +210,14 @@ class Heartbeat:
                     failed[host] = 0
                 except ConnectionRefusedError:
                     failed[host] = 0  # the host answered: it is up, its rank is not (the controller's poll says so)
+                    refused.append(host)
                 except OSError:
                     failed[host] = failed.get(host, 0) + 1
             silent = sorted(h for h in peers if failed.get(h, 0) >= SILENT_AFTER)
+            with self._lock:  # a regroup may have left them out since this round began (``keep``)
+                lost = sorted(h for h in {*silent, *refused} if h in self._peers)
+            if lost and self.watch is not None and not self._stopped.is_set():
+                self.watch.fail(f"cannot reach the regroup store of {', '.join(lost)}")
             if silent != written:
                 partial = self.path.with_suffix(f".tmp{os.getpid()}")
                 partial.write_text(json.dumps({"silent": silent, "time": round(time.time(), 3)}), encoding="utf-8")
@@ -228,7 +238,12 @@ def start(run_dir: Path, host: str, peers: dict[str, str] | None = None) -> Watc
     if not _WATCHER:
         _WATCHER.append(Watcher(run_dir, host))
         if peers:
-            _HEARTBEAT.append(Heartbeat(run_dir, host, peers))
+            # Under a batch scheduler the stores' addresses are the rendezvous host's (its node script names no
+            # cluster address) and every rank ends at once: the heartbeat only reports there.
+            from train import consensus  # (it imports this module)
+
+            watch = None if consensus.scheduler() is not None else _WATCHER[0]
+            _HEARTBEAT.append(Heartbeat(run_dir, host, peers, watch))
     return _WATCHER[0]
 
 
