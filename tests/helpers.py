@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,7 +21,27 @@ import yaml
 
 from testbed.net import free_port
 
-__all__ = ["free_port"]  # re-exported: the tests take every helper from here
+__all__ = ["closed_port", "free_port", "unanswering_port"]  # re-exported: the tests take every helper from here
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: a connect is refused (a host that is up, its job gone)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def unanswering_port(held: list[socket.socket]) -> int:
+    """A loopback port whose connects time out, as behind a cut link: a listener that never accepts, its queue
+    filled (the kernel then drops SYNs). ``held`` keeps its sockets; the caller closes them."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    held.append(server)
+    port = int(server.getsockname()[1])
+    held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+    return port
+
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable

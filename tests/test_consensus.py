@@ -17,27 +17,12 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from helpers import closed_port, unanswering_port
 
 from train import consensus, regroup
 from train.consensus import View
 from train.regroup import Membership
 from ugro.module_utils import ugro_exporter, ugro_jobstate
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _unanswering_port(held: list[socket.socket]) -> int:
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(0)
-    held.append(server)
-    port = int(server.getsockname()[1])
-    held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
-    return port
 
 
 def test_probe_tells_a_host_whose_job_is_gone_from_one_that_does_not_answer() -> None:
@@ -46,8 +31,8 @@ def test_probe_tells_a_host_whose_job_is_gone_from_one_that_does_not_answer() ->
     try:
         view = consensus.probe({
             "h2": f"127.0.0.1:{live.port}",
-            "h3": f"127.0.0.1:{_closed_port()}",
-            "h4": f"127.0.0.1:{_unanswering_port(held)}",
+            "h3": f"127.0.0.1:{closed_port()}",
+            "h4": f"127.0.0.1:{unanswering_port(held)}",
         })  # fmt: skip
     finally:
         for sock in held:
@@ -138,7 +123,7 @@ def test_a_peer_whose_job_is_gone_breaks_the_group_at_once(tmp_path: Path) -> No
     """No collective waits out its timeout for a peer the heartbeat found gone (a cut link sends no reset)."""
     (tmp_path / "hosts" / "h1").mkdir(parents=True)
     watch = regroup.Watcher(tmp_path, "h1")
-    beat = regroup.Heartbeat(tmp_path, "h1", {"h2": f"127.0.0.1:{_closed_port()}"}, watch)
+    beat = regroup.Heartbeat(tmp_path, "h1", {"h2": f"127.0.0.1:{closed_port()}"}, watch)
     try:
         deadline = time.monotonic() + 5
         while watch.broken is None and time.monotonic() < deadline:

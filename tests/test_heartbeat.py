@@ -14,26 +14,10 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+from helpers import closed_port, unanswering_port
 
 from train import regroup
 from ugro.module_utils import ugro_jobstate
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])  # nothing listens once the socket is closed
-
-
-def _unanswering_port(held: list[socket.socket]) -> int:
-    """A port whose connects time out: a listener that never accepts, its queue filled (the kernel then drops SYNs)."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(0)
-    held.append(server)
-    port = int(server.getsockname()[1])
-    held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
-    return port
 
 
 def _silent(path: Path, expected: list[str], within_s: float) -> list[str]:
@@ -56,8 +40,8 @@ def test_a_peer_that_does_not_answer_is_reported_and_one_that_answers_or_refuses
     held: list[socket.socket] = []
     peers = {
         "h2": f"127.0.0.1:{live.port}",
-        "h3": f"127.0.0.1:{_closed_port()}",  # up, its rank killed
-        "h4": f"127.0.0.1:{_unanswering_port(held)}",  # cut off
+        "h3": f"127.0.0.1:{closed_port()}",  # up, its rank killed
+        "h4": f"127.0.0.1:{unanswering_port(held)}",  # cut off
     }
     beat = regroup.Heartbeat(tmp_path, "h1", peers)
     try:
