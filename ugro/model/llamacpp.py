@@ -15,8 +15,6 @@ in the first decode of a q8_0 file.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -28,12 +26,12 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from ugro.model.basemodel import ModelError, cache_root
+from ugro.model.basemodel import ModelError, cache_root, locked
 from ugro.module_utils.ugro_checkpoints import sha256_file
 
 PACKAGE = "llama-cpp-python"
@@ -132,18 +130,6 @@ def _compilers() -> None:
         )
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One build at a time per cache directory (two exports or tests at once wait for the first)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def built(root: Path) -> bool:
     return (root / MARKER).is_file() and (root / "site" / "llama_cpp").is_dir()
 
@@ -154,7 +140,7 @@ def ensure(log: Callable[[str], object] = print) -> LlamaCpp:
     root = build_dir(cache)
     if built(root):
         return LlamaCpp(root)
-    with _locked(root.with_suffix(".lock")):
+    with locked(root.with_suffix(".lock")):
         if built(root):  # another process built it while this one waited
             return LlamaCpp(root)
         _compilers()

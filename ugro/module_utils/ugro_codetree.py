@@ -38,10 +38,15 @@ def code_files(root: Path) -> list[str]:
 
 
 def tree_hash(root: Path, files: list[str]) -> str:
+    return contents_hash((rel, (root / rel).read_bytes()) for rel in files)
+
+
+def contents_hash(contents: Iterable[tuple[str, bytes]]) -> str:
+    """The tree hash of (relative path, bytes) pairs in sorted path order: what ``tree_hash`` reads from disk."""
     digest = hashlib.sha256()
-    for rel in files:
+    for rel, data in contents:
         digest.update(rel.encode() + b"\0")
-        digest.update(hashlib.sha256((root / rel).read_bytes()).digest())
+        digest.update(hashlib.sha256(data).digest())
     return digest.hexdigest()
 
 
