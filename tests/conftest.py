@@ -63,11 +63,20 @@ USES: dict[str, tuple[str, ...]] = {
 }
 
 
+# `make test` runs two pytest processes side by side (tools/pytest-pair): the `cluster` tests, and the others. These
+# files' tests run with the cluster's, so that both processes take about as long (docs/results.md "CI time"). Whole
+# files, so that a module's fixtures are built once; only tests whose ranks take a free port (torchrun, spawn),
+# never `make train`'s default port 29500 on this machine, which the other process's tests use.
+WITH_CLUSTER = frozenset({"test_real_model.py", "test_datasets.py"})
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         for marker in sorted({m for fixture, marks in USES.items() if fixture in names for m in marks}):
             item.add_marker(marker)
+        if item.path.name in WITH_CLUSTER:
+            item.add_marker("with_cluster")
 
 
 WHY_NOT = why_no_testbed()

@@ -6,7 +6,8 @@ SIGKILLed between two checkpoints (a host that died: the ranks on tb1 and tb3 go
 nothing redone, with identical weights), then tb1's link cut inside its namespace (the rendezvous and main
 host, which keeps the run's records: tb3's rank goes on alone in the same process, nothing redone, and takes
 the records up from the rows it kept itself). The run must finish every step, record each restart with its
-host and cause, and end within noise of the same job run without faults. A second job with no restarts
+host and cause, bring what the main rank wrote on tb3 (adapter, samples, TensorBoard events) to the controller,
+and end within noise of the same job run without faults. A second job with no restarts
 left ends failed with the cause and leaves nothing running.
 """
 
@@ -81,7 +82,10 @@ def _follow(job: Path, cluster: Path) -> subprocess.Popen[str]:
 @pytest.fixture()
 def faults_job(repo_jobs: Path) -> Iterator[Path]:
     # The cut-off tb1 waits this long for a membership that cannot reach it, after its collective timed out.
-    path = cluster_job(repo_jobs, "cluster-faults", train={"max_restarts": 3}, distributed={"regroup_timeout_s": 20})
+    # One held-out answer before and after, written by whichever rank is the main one at the end.
+    held_out = {"source": "data/sample/eval.jsonl", "every": 100, "samples": 1, "max_new_tokens": 8}
+    path = cluster_job(repo_jobs, "cluster-faults", train={"max_restarts": 3}, distributed={"regroup_timeout_s": 20},
+                       eval=held_out)  # fmt: skip
     yield path
     path.unlink()
     remove_runs("cluster-faults")
@@ -160,7 +164,10 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
 
     rows = read_metrics(run_dir)
     assert sorted({r["step"] for r in rows}) == list(range(1, 31))  # every step done (once in the final record)
+    # What the main rank wrote on tb3, the main host after tb1's cut, reached the controller's run directory.
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert "**Fine-tuned:**" in (run_dir / "samples.md").read_text()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")) and (run_dir / "loss.png").is_file()
     unbroken = read_metrics(unbroken_run[0])
     broken_end, unbroken_end = (sum(r["loss"] for r in x[-5:]) / 5 for x in (rows, unbroken))
     assert abs(broken_end - unbroken_end) < 0.05 * unbroken_end, (broken_end, unbroken_end)
