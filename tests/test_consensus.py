@@ -112,11 +112,11 @@ def test_a_host_knows_whether_a_controller_follows_the_run_from_its_polls(tmp_pa
 def test_under_a_batch_scheduler_the_survivors_never_decide_themselves(monkeypatch: pytest.MonkeyPatch) -> None:
     """scancel ends every rank at nearly the same moment; the last one must not take the run over
     (tests/test_slurm.py's scancel, then a resume, checks the run's records stay whole)."""
-    for variable in consensus.SCHEDULERS:
+    for variable in regroup.SCHEDULERS:
         monkeypatch.delenv(variable, raising=False)
-    assert consensus.scheduler() is None
+    assert regroup.scheduler() is None
     monkeypatch.setenv("SLURM_JOB_ID", "42")
-    assert consensus.scheduler() == "SLURM"
+    assert regroup.scheduler() == "SLURM"
 
 
 def test_a_peer_whose_job_is_gone_breaks_the_group_at_once(tmp_path: Path) -> None:

@@ -22,7 +22,6 @@ three of its polls the ranks decide themselves:
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -33,17 +32,6 @@ import torch.distributed as dist
 from train.regroup import HEARTBEAT_S, SILENT_AFTER, Membership
 
 FOLLOWED = "followed.json"  # ugro/module_utils/ugro_jobstate.py FOLLOWED
-# Where a batch scheduler runs the job, its scancel, preemption or time limit ends every rank at nearly the same
-# moment: a rank that outlived the others by a second must not take the run over. There the survivors never decide
-# themselves (as before: they wait for a membership and then fail, and the scheduler's requeue resumes).
-SCHEDULERS = {"SLURM_JOB_ID": "SLURM", "KUBERNETES_SERVICE_HOST": "Kubernetes"}
-
-
-def scheduler() -> str | None:
-    """The batch scheduler that runs this rank (SLURM, Kubernetes), or None on ugro's own launch."""
-    return next((name for variable, name in SCHEDULERS.items() if os.environ.get(variable)), None)
-
-
 FOLLOW_GRACE_S = 10.0  # beyond three polls: a playbook poll's own time on a busy controller
 
 

@@ -232,6 +232,17 @@ _WATCHER: list[Watcher] = []
 _HEARTBEAT: list[Heartbeat] = []
 
 
+# Where a batch scheduler runs the job, its scancel, preemption or time limit ends every rank at nearly the same
+# moment: a rank that outlived the others by a second must not take the run over. There the survivors never decide
+# themselves (as before: they wait for a membership and then fail, and the scheduler's requeue resumes).
+SCHEDULERS = {"SLURM_JOB_ID": "SLURM", "KUBERNETES_SERVICE_HOST": "Kubernetes"}
+
+
+def scheduler() -> str | None:
+    """The batch scheduler that runs this rank (SLURM, Kubernetes), or None on ugro's own launch."""
+    return next((name for variable, name in SCHEDULERS.items() if os.environ.get(variable)), None)
+
+
 def start(run_dir: Path, host: str, peers: dict[str, str] | None = None) -> Watcher:
     """Start watching this host's membership file (once per process), and with ``peers`` (host -> regroup store,
     given to one rank per host) whether the other hosts can be reached."""
@@ -240,9 +251,7 @@ def start(run_dir: Path, host: str, peers: dict[str, str] | None = None) -> Watc
         if peers:
             # Under a batch scheduler the stores' addresses are the rendezvous host's (its node script names no
             # cluster address) and every rank ends at once: the heartbeat only reports there.
-            from train import consensus  # (it imports this module)
-
-            watch = None if consensus.scheduler() is not None else _WATCHER[0]
+            watch = None if scheduler() is not None else _WATCHER[0]
             _HEARTBEAT.append(Heartbeat(run_dir, host, peers, watch))
     return _WATCHER[0]
 

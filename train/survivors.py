@@ -108,7 +108,7 @@ def who_is_left(
             return found, "controller"
         if time.monotonic() >= deadline:
             return None
-        if consensus.scheduler() is not None or consensus.controller_follows(run_dir, info.host):
+        if regroup.scheduler() is not None or consensus.controller_follows(run_dir, info.host):
             continue
         proposal = consensus.propose(hosts, main, consensus.probe(peers), watch.generation)
         if proposal is None:
