@@ -96,13 +96,10 @@ remaining:
   returned: when O(state=stopped)
 """
 
-import re
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.ugro_jobstate import HAS_PSUTIL, job_pids, psutil_missing, start, stop
-
-JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+from ansible.module_utils.ugro_jobstate import HAS_PSUTIL, JOB_ID, job_pids, psutil_missing, start, stop
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from train import checkpoint
 from train.config import JobConfig
 from train.model import load_model
 from train.schedule import warmup_cosine
+from ugro.module_utils import ugro_checkpoints
 
 
 @pytest.fixture()
@@ -77,6 +78,10 @@ def test_torn_checkpoints_are_never_loaded(tmp_path: Path, parts: tuple) -> None
     assert checkpoint.verify(truncated) == "state.pt does not match its checksum"
     assert checkpoint.verify(unfinished) == "no manifest (the write never finished)"
     assert checkpoint.latest_valid(tmp_path) == good
+    # The hosts' fact module and the controller judge them by the same rule (its copy ships alone to hosts).
+    for path in (good, truncated, unfinished):
+        assert ugro_checkpoints.problem(path) == checkpoint.verify(path), path
+    assert ugro_checkpoints.newest_intact(tmp_path) == {"name": good.name, "step": 5, "path": str(good)}
     restored = checkpoint.restore(tmp_path, model, opt, sched, rank=0)
     assert restored is not None and restored.step == 5
 

@@ -20,6 +20,8 @@ import pytest
 import yaml
 from helpers import REPO, Run
 
+from ugro.module_utils import ugro_jobstate
+
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg")}
 
@@ -143,3 +145,16 @@ def test_the_local_inventory_runs_this_checkout_on_loopback(tmp_path: Path, ansi
     assert seen["rendezvous_host"] == "localhost" and int(seen["port"]) == 29500
     assert seen["rendezvous_address"] == "127.0.0.1"
     assert seen["code_sync"] in (False, "False")
+
+
+@pytest.mark.parametrize("playbook", ["status.yml", "stop.yml"])
+def test_a_play_refuses_a_job_id_that_is_not_one_path_component(playbook: str, ansible_playbook: Run) -> None:
+    """The plays read the job-id pattern from role ugro's vars (written once for them) before anything runs; its
+    copies, in the host modules and in role train_launch, which ship or run alone, are the same pattern."""
+    plays = yaml.safe_load((REPO / "roles" / "ugro" / "vars" / "main.yml").read_text())["__ugro_job_id_pattern"]
+    launch = yaml.safe_load((REPO / "roles" / "train_launch" / "vars" / "main.yml").read_text())
+    assert plays == launch["__train_launch_job_id_pattern"] == ugro_jobstate.JOB_ID.pattern
+    local = REPO / "inventory" / "local.yml"
+    result = ansible_playbook(local, REPO / "playbooks" / playbook, "-e", "ugro_job_id=../etc")
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "ugro_job_id must name a job, such as default-20261121-190000, not '../etc'" in result.stdout, result.stdout

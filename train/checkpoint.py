@@ -70,7 +70,11 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def verify(path: Path) -> str | None:
-    """None when the checkpoint is intact, else why it must not be loaded."""
+    """None when the checkpoint is intact, else why it must not be loaded.
+
+    ``ugro/module_utils/ugro_checkpoints.py`` ``problem`` applies the same rule for the host fact module and the
+    controller: Ansible ships that file alone to hosts, where ``train/`` is not importable, and the ranks do not
+    import Ansible's module_utils (the node receives ``train/`` only). tests/test_checkpoint.py holds them equal."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         return "no manifest (the write never finished)"

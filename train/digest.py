@@ -8,12 +8,9 @@ from pathlib import Path
 
 
 def sha256_file(path: Path) -> str:
-    """The sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
+    """The sha256 of a file, as ``sha256sum`` prints it."""
     with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def sha256_tree(folder: Path) -> str:

@@ -22,12 +22,7 @@ from typing import Any
 
 from train.config import JobConfig, RankLocalConfig, StagesConfig
 from train.headchunks import chunk_rows, transformed
-from train.topology import Layout, Replica, Stage
-
-# Llama-family decoders only: a stage fed hidden states runs the decoder layers and nothing else. GPT-2 adds
-# position embeddings and Gemma scales the embedding inside the model's forward, so such a stage would apply
-# them twice.
-PIPELINE_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+from train.topology import PIPELINE_TYPES, Layout, Replica, Stage
 
 GIB = float(1 << 30)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

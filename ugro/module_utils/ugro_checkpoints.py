@@ -19,11 +19,10 @@ MANIFEST = "manifest.json"
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+    """The sha256 of a file, as ``sha256sum`` prints it (the same as ``train/digest.py``'s, which the rank code
+    uses: this file ships alone to hosts, where ``train/`` is not importable)."""
     with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def step_of(path: Path) -> int | None:
@@ -41,7 +40,9 @@ def listed(run_dir: Path) -> list[Path]:
 
 
 def problem(path: Path) -> str | None:
-    """None when every file the manifest lists is there with its checksum, else what is wrong."""
+    """None when every file the manifest lists is there with its checksum, else what is wrong: the rule of
+    ``train/checkpoint.py`` ``verify``, which the ranks apply before they load one (this file ships alone to hosts;
+    tests/test_checkpoint.py holds the two equal)."""
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
     except FileNotFoundError:
