@@ -6,7 +6,11 @@ tb2 is SIGKILLed between two checkpoints (a host that died: the survivors regrou
 -> next step on the survivors; then tb1's link is cut inside its namespace (the rendezvous and main host, with
 the run's records, gone silent) -> next step on the hosts left (tb3 takes the records up and goes on). The hosts
 run their node exporters, installed by the provisioning playbook as `make provision` does, and the controller reads
-the job's state from them (``--no-exporters``: without them, every poll goes through Ansible). Step
+the job's state from them (``--no-exporters``: without them, every poll goes through Ansible). With
+``--controller gone`` the controller is detached (Ctrl-C: SIGINT to its process group) long enough before tb2's kill
+that the hosts no longer count it as following, and with ``--controller died`` its process group is SIGKILLed just
+before (a laptop that lost power): the survivors then decide themselves (train/consensus.py), and ``ugro follow``,
+started after tb2's regroup, takes the run up and handles the cut. Step
 times come from the ranks' own metrics.jsonl (wall clock of this machine, which all test hosts share); where
 the time went comes from the run's restart record. The last line is one JSON object with the figures, the CPU
 seconds the whole machine spent from the launch to the first step (``launch_cpu_s``: controller, Ansible, the three
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +38,7 @@ from rich.table import Table
 
 from bench.cluster_job import tiny_job
 from testbed import cluster as testbed_cluster
+from train.consensus import FOLLOW_GRACE_S
 
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.9.0/24"  # its own: `make test` and `make testbed-up` use others
@@ -75,6 +81,15 @@ def _wait_step(bed: Any, step: int, proc: subprocess.Popen[str]) -> str:
         time.sleep(0.1)
 
 
+def _end_controller(proc: subprocess.Popen[str], how: str, poll_s: float) -> None:
+    """Detach the controller (``gone``: Ctrl-C, then the hosts' grace for a controller that stopped asking runs
+    out) or SIGKILL its whole process group (``died``)."""
+    os.killpg(proc.pid, signal.SIGINT if how == "gone" else signal.SIGKILL)
+    proc.communicate(timeout=120)
+    if how == "gone":  # train/consensus.py controller_follows: three polls and FOLLOW_GRACE_S since the last ask
+        time.sleep(3 * poll_s + FOLLOW_GRACE_S + 1)
+
+
 def _first_step_after(bed: Any, job_id: str, moment: float) -> float:
     return min(r["time"] for r in _rows(bed, job_id) if r["time"] > moment) - moment
 
@@ -107,8 +122,13 @@ class CpuClock:
 @app.command()
 def main(
     exporters: bool = typer.Option(True, help="run the node exporters, which the controller's polls read"),
+    controller: str = typer.Option(
+        "follows", help="follows: throughout; gone: detached before tb2's kill; died: SIGKILLed just before it"
+    ),
 ) -> None:
     """Bring up the test cluster, run the job with its two faults, print the figures."""
+    if controller not in ("follows", "gone", "died"):
+        raise typer.BadParameter(f"--controller {controller}: follows, gone or died")
     tb = testbed_cluster
     directory = Path(tempfile.mkdtemp(prefix="ugro-bench-recovery-"))
     jobs = contextlib.ExitStack()
@@ -118,7 +138,8 @@ def main(
         if exporters:
             jobs.callback(_exporters, cluster, "stopped")
             _exporters(cluster, "started")
-        train = {"max_steps": 40, "global_batch_size": 6, "log_every": 10}
+        # Detached, the controller is waited out for three polls and 10 s before tb2's kill: the run must outlast it.
+        train = {"max_steps": 400 if controller == "gone" else 40, "global_batch_size": 6, "log_every": 10}
         job_file = jobs.enter_context(
             tiny_job(NAME, train=train, checkpoint={"every": 5, "keep_last": 3}, distributed={"timeout_s": 20})
         )
@@ -127,11 +148,20 @@ def main(
         loads = [os.getloadavg()[0]]
         clock = CpuClock()
         started = time.time()
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
         job_id = _wait_step(bed, 12, proc)  # between the checkpoints of steps 10 and 15
         loads.append(os.getloadavg()[0])
+        if controller != "follows":
+            _end_controller(proc, controller, 2.0)
         killed = time.time()
         tb.kill_processes(bed.dir, "tb2", f"/opt/ugro/runs/{job_id}")
+        if controller != "follows":  # the survivors decide; then a controller takes the run up for the cut
+            while not any(r["time"] > killed for r in _rows(bed, job_id)):
+                time.sleep(0.1)
+            proc = subprocess.Popen([sys.executable, "-m", "ugro.cli", "follow", "--job-id", job_id], cwd=REPO,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)  # fmt: skip
         _wait_step(bed, 25, proc)
         while not any(r["time"] > killed and r["step"] >= 27 for r in _rows(bed, job_id)):
             time.sleep(0.1)
@@ -162,8 +192,8 @@ def main(
                 table.add_row(what, f"{seconds:.1f}", goal, *[""] * 7)
                 continue
             detect = restart["time"] - restart["fault"]
-            told = restart["membership_s"] if restart["how"] == "regroup" else restart["stop_s"]
-            spent = [detect, told or 0.0, restart["place_checkpoint_s"], restart["launch_s"] or 0.0]
+            told = restart.get("membership_s") if restart["how"] == "regroup" else restart.get("stop_s")
+            spent = [detect, told or 0.0, restart.get("place_checkpoint_s") or 0.0, restart.get("launch_s") or 0.0]
             table.add_row(what, f"{seconds:.1f}", goal, restart["how"], *(f"{x:.1f}" for x in spent),
                           f"{seconds - sum(spent):.1f}", str(restart.get("steps_redone")))  # fmt: skip
         console.print(table)
@@ -181,6 +211,8 @@ def main(
             "cut_steps_redone": cut_restart[3]["steps_redone"] if cut_restart[3] else None,
             "load": round(sum(loads) / len(loads), 2),
             "polls": "exporters" if exporters else "ansible",
+            "controller": controller,
+            "kill_decided_by": kill[3].get("decided_by") if kill[3] else None,
         }
         print(json.dumps(result), flush=True)
     finally:

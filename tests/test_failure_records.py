@@ -80,9 +80,10 @@ def test_a_frozen_peer_is_noticed_within_the_collective_timeout_and_recorded(
 def test_a_stopped_run_records_stopped_on_every_rank(tmp_path: Path, torchrun_cmd: Callable[..., list[str]]) -> None:
     proc, run_dir = _start(torchrun_cmd, tmp_path)
     os.kill(proc.pid, signal.SIGTERM)  # what `make stop` sends torchrun (through the launch script)
-    proc.wait(timeout=120)
+    out, _ = proc.communicate(timeout=120)
     kinds = {r["rank"]: r["kind"] for r in _records(run_dir)}
-    assert kinds == {0: "stopped", 1: "stopped"}, kinds
+    logs = "".join(f"--- {p.name}:\n{p.read_text()[-1500:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+    assert kinds == {0: "stopped", 1: "stopped"}, f"{kinds}\n{logs}--- torchrun:\n{out[-3000:]}"
     assert json.loads((run_dir / "run.json").read_text())["state"] == "stopped"
 
 
