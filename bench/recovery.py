@@ -158,6 +158,8 @@ def main(
         tb.kill_processes(bed.dir, "tb2", f"/opt/ugro/runs/{job_id}")
         if controller != "follows":  # the survivors decide; then a controller takes the run up for the cut
             while not any(r["time"] > killed for r in _rows(bed, job_id)):
+                if time.time() > killed + 120:  # the survivors never went on (or the run had ended before the kill)
+                    raise SystemExit("no step on tb1 and tb3 within 120 s of tb2's kill, with no controller")
                 time.sleep(0.1)
             proc = subprocess.Popen([sys.executable, "-m", "ugro.cli", "follow", "--job-id", job_id], cwd=REPO,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
