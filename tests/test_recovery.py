@@ -132,6 +132,9 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
         job_id = _wait_for_step(testbed, "cluster-faults", 7, follower)
         assert tb.kill_ranks(testbed.dir, "tb3"), "no rank on tb3"
         _wait_for_step(testbed, "cluster-faults", 14, follower)
+        # The controller's record has the relaunch while the run goes on (a controller that re-attaches reads it).
+        so_far = json.loads((runs_dir() / job_id / ".control" / "supervision.json").read_text())
+        assert [r["cause"]["host"] for r in so_far["restarts"]] == ["tb3"], so_far
         os.killpg(follower.pid, signal.SIGKILL)  # the controller, its polls and playbooks: gone without a word
         follower.wait()
         before = {h: tb.host_ranks(testbed.dir, h) for h in ("tb1", "tb3")}
