@@ -11,6 +11,10 @@ Run on a machine with an NVIDIA GPU and the job's Python (torch with CUDA, trans
   held-out loss before and after (the trainer maps each local rank to its own GPU: two ranks need two GPUs);
 - ``profiles``: the shipped memory profiles (role memory_profile) on the default job under their card's memory;
 - ``exporter``: the node exporter's GPU series (NVML), scraped while a job trains;
+- ``compare``: the trainer against a bare loop, cell by cell (bench/gpu_compare.py): positions/s and peak memory
+  of Qwen2.5-1.5B in 16 and 4 bits with both backends, Llama-3-8B in 4 bits at micro-batch 1 against the stage
+  planner's estimate (``UGRO_GPU_CELLS=0,3`` runs those cells only);
+- ``packing``: examples packed into one row see only themselves, on CUDA, with both backends;
 - ``probe``: the preflight's memory probe (train/tools/memprobe.py, 5 steps) of Qwen2.5-14B's architecture in
   4-bit QLoRA under the reference cluster's memory caps (``torch.cuda.set_per_process_memory_fraction``).
 
@@ -30,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from bench import gpu_compare
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM = "models/configs/smollm2-135m-instruct"
@@ -275,6 +281,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     parts = sys.argv[2:] or ["env", "train", "probe"]
     for part in parts:
+        if part in ("compare", "packing"):
+            getattr(gpu_compare, part)(out, _emit, materialize)
+            continue
         {"env": env, "train": train, "probe": probe, "profiles": profiles, "exporter": exporter}[part](out)
     return 0
 
