@@ -294,6 +294,7 @@ def _packing_check(cell: Cell, model_dir: str) -> dict[str, Any]:
 
     from train.config import DataConfig
     from train.data import IGNORE, build_blocks
+    from train.model import pack_by_lengths
     from train.step import summed_loss
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")  # CPU: a dry run
@@ -332,10 +333,15 @@ def _packing_check(cell: Cell, model_dir: str) -> dict[str, Any]:
         for place, index in enumerate(sorted(range(3), key=lambda i: -len(examples[i][0]))):
             at, size = starts[place], len(examples[index][0])
             apart = float(summed_loss(model, only(alone, index, 0, size)))
-            together = float(summed_loss(model, only(packed, 0, at, size)))
             mixed = float(summed_loss(model, only(packed, 0, at, size, positions=False)))
-            found.append({"place": place, "alone": apart, "packed_rel_diff": abs(together - apart) / abs(apart),
-                          "no_positions_rel_diff": abs(mixed - apart) / abs(apart)})  # fmt: skip
+            row: dict[str, Any] = {"place": place, "alone": apart, "no_positions_rel_diff": abs(mixed - apart) / apart}
+            if cell.backend == "unsloth":  # as before: restarting positions only (unsloth's attention ignores them)
+                row["positions_only_rel_diff"] = (
+                    abs(float(summed_loss(model, only(packed, 0, at, size))) - apart) / apart
+                )
+                pack_by_lengths(model)  # as the trainer calls it (train/model.py): the row joined, with the lengths
+            row["packed_rel_diff"] = abs(float(summed_loss(model, only(packed, 0, at, size))) - apart) / apart
+            found.append(row)
     return {"examples": found}
 
 

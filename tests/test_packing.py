@@ -9,7 +9,7 @@ from helpers import REPO
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from train.config import DataConfig
-from train.data import IGNORE, Example, build_blocks
+from train.data import IGNORE, Example, build_blocks, model_inputs
 from train.step import summed_loss
 
 SEQ = 24
@@ -61,3 +61,27 @@ def test_an_examples_loss_is_the_same_packed_with_others_as_alone(attention: str
             abs(float(summed_loss(model, mixed)) - float(summed_loss(model, _only(alone, order[1], range(size)))))
             > 1e-3
         )
+
+
+def test_packed_rows_joined_into_one_with_their_lengths_give_the_same_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """unsloth keeps packed examples apart only by ``packed_seq_lengths`` over one joined row (train/data.py
+    ``model_inputs(by_lengths=True)``): the lengths are each example's and each row's padding, and the loss read
+    from the joined row is the loss of the rows (here with transformers, which keeps them apart by positions)."""
+    import train.step
+
+    config = AutoConfig.from_pretrained(REPO / "models" / "tiny-llama")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    torch.manual_seed(4)
+    examples = [(ids, [IGNORE, *ids[1:]]) for ids in (torch.randint(5, 2000, (n,)).tolist() for n in (15, 11, 9, 8))]
+    blocks = build_blocks(examples, DataConfig(source="x", seq_len=SEQ, packing=True), pad_id=0)
+    assert len(blocks) == 2  # best fit: 15 + 9, and 11 + 8 + 5 of padding
+    batch = blocks.batch([0, 1], torch.device("cpu"))
+    joined = model_inputs(batch, by_lengths=True)
+    assert joined["input_ids"].shape == (1, 2 * SEQ)
+    assert joined["packed_seq_lengths"].tolist() == [15, 9, 11, 8, 5]  # the padding: a sequence of its own
+    with torch.no_grad():
+        rows = summed_loss(model, batch)
+        monkeypatch.setattr(train.step, "packs_by_lengths", lambda _model: True)
+        one_row = summed_loss(model, batch)
+    torch.testing.assert_close(one_row, rows, rtol=1e-5, atol=1e-5)

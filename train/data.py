@@ -53,16 +53,40 @@ class Blocks(Dataset[dict[str, torch.Tensor]]):
         return {key: value[index].to(device, non_blocking=True) for key, value in self._fields().items()}
 
 
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+def model_inputs(batch: dict[str, torch.Tensor], by_lengths: bool = False) -> dict[str, Any]:
     """What the model is called with. Packed rows: their per-example positions, no mask and no cache;
     transformers then lets each token attend only within its own example, since positions start again at 0
     where one begins (``find_packed_sequence_indices``: a block-diagonal causal mask for its eager and SDPA
     attention, the variable-length kernels for flash attention). It looks for them only without a mask and
     without a key/value cache, which a model makes for itself unless told ``use_cache=False``. Other rows:
-    their padding mask."""
+    their padding mask.
+
+    ``by_lengths`` (unsloth, whose attention ignores restarting positions: examples would see each other): the
+    packed rows as one row of every example in turn and ``packed_seq_lengths``, the length of each, which its
+    attention keeps apart (``packed_lengths``); the loss then reads the labels the same way (``flat_labels``)."""
     if "position_ids" in batch:
+        if by_lengths:
+            ids, positions = batch["input_ids"].reshape(1, -1), batch["position_ids"].reshape(1, -1)
+            lengths = packed_lengths(batch["position_ids"])
+            return {"input_ids": ids, "position_ids": positions, "packed_seq_lengths": lengths, "use_cache": False}
         return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def packed_lengths(position_ids: torch.Tensor) -> torch.Tensor:
+    """The length of every sequence in packed rows, row after row (the padding at a row's end is one of its own):
+    each begins where its positions start again at 0; int32 on the host."""
+    flat = position_ids.reshape(-1).cpu()
+    starts = torch.nonzero(flat == 0).flatten()
+    ends = torch.cat([starts[1:], torch.tensor([flat.numel()])])
+    return (ends - starts).to(torch.int32)
+
+
+def flat_labels(labels: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+    """``labels`` shaped as the rows the model was called with (``model_inputs``): one row when they were joined.
+    No label crosses from one row into the next: every row begins with an example, whose first token is never a
+    label (``build_blocks``)."""
+    return labels.reshape(inputs["input_ids"].shape)
 
 
 def uses_chat_template(cfg: DataConfig, tokenizer: Any) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import sys
+import weakref
 from pathlib import Path
 from typing import Any, cast
 
@@ -190,6 +191,20 @@ def load_unsloth(job: JobConfig, base_dir: Path, local_rank: int, checkpointing:
     return model, tokenizer
 
 
+_BY_LENGTHS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def packs_by_lengths(model: torch.nn.Module) -> bool:
+    """Whether ``model`` keeps packed examples apart only when told their lengths (unsloth: its attention reads
+    ``packed_seq_lengths``, not restarting positions; train/data.py ``model_inputs``)."""
+    return headloss.causal_lm(model) in _BY_LENGTHS
+
+
+def pack_by_lengths(model: torch.nn.Module) -> None:
+    """From now on ``model`` is called with packed rows joined and their lengths (``packs_by_lengths``)."""
+    _BY_LENGTHS.add(headloss.causal_lm(model))
+
+
 def load_model(job: JobConfig, base_dir: Path, device: torch.device) -> tuple[Any, Any, str]:
     """Base model + LoRA + tokenizer for this rank; returns the backend actually used."""
     cuda = device.type == "cuda"
@@ -197,6 +212,7 @@ def load_model(job: JobConfig, base_dir: Path, device: torch.device) -> tuple[An
     checkpointing = job.rank_local.gradient_checkpointing
     if backend == "unsloth" and job.model.init == "pretrained":
         model, tokenizer = load_unsloth(job, base_dir, device.index or 0, checkpointing)
+        pack_by_lengths(model)
         templates.apply(tokenizer, job.data, base_dir)
         headloss.head(model)  # how the loss reaches the vocabulary, decided (and logged) once
         return model, tokenizer, backend

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from train import comm, headloss, regroup
-from train.data import IGNORE, model_inputs
+from train.data import IGNORE, flat_labels, model_inputs
+from train.model import packs_by_lengths
 
 
 def label_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -39,15 +40,16 @@ def summed_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch
 
     From the final hidden states and the head's weight, never the whole logits (train/headloss.py), unless the
     model's logits are more than its head's output; the model is still called whole, so DDP sees its forward."""
+    inputs = model_inputs(batch, by_lengths=packs_by_lengths(model))
+    labels = flat_labels(batch["labels"], inputs)
     head = headloss.head(model)
     if head is None:
-        logits = model(**model_inputs(batch)).logits
-        return logits_loss(logits, batch["labels"])
+        return logits_loss(model(**inputs).logits, labels)
     with headloss.head_inputs(head) as seen:
-        out = model(**model_inputs(batch))
+        out = model(**inputs)
     if not seen:  # the model did not call its head module (it used the weight itself): its logits are whole
-        return logits_loss(out.logits, batch["labels"])
-    return headloss.summed_loss(head, seen[-1], batch["labels"])
+        return logits_loss(out.logits, labels)
+    return headloss.summed_loss(head, seen[-1], labels)
 
 
 def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
