@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from train.config import JobConfig, RankLocalConfig, StagesConfig
-from train.headchunks import chunk_rows, transformed
+from train.headchunks import chunk_bytes, chunk_rows, transformed
 from train.topology import PIPELINE_TYPES, Layout, Replica, Stage
 
 GIB = float(1 << 30)
@@ -250,7 +250,10 @@ def estimate(
     elif shape.whole_logits:
         loss = tokens * shape.vocab * LOGIT_BYTES
     else:
-        loss = min(tokens, chunk_rows(shape.vocab)) * shape.vocab * (4 + kept) + tokens * h * kept
+        loss = (
+            min(tokens, chunk_rows(shape.vocab, chunk_bytes(device_kind))) * shape.vocab * (4 + kept)
+            + tokens * h * kept
+        )
     overhead = (CUDA_OVERHEAD_GIB if device_kind == "cuda" else CPU_OVERHEAD_GIB) * GIB
     if four_bit and layers:
         overhead += max(a * b for a, b in shape.linears().values()) * cb
