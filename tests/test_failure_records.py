@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import REPO, run_env, write_job
+from helpers import PYTHON, REPO, run_env, write_job
 
 from train.config import ConfigError
 from train.failure import NonFiniteError, Stopped, kind_of
@@ -85,6 +85,46 @@ def test_a_stopped_run_records_stopped_on_every_rank(tmp_path: Path, torchrun_cm
     logs = "".join(f"--- {p.name}:\n{p.read_text()[-1500:]}" for p in sorted((run_dir / "logs").glob("*.log")))
     assert kinds == {0: "stopped", 1: "stopped"}, f"{kinds}\n{logs}--- torchrun:\n{out[-3000:]}"
     assert json.loads((run_dir / "run.json").read_text())["state"] == "stopped"
+
+
+WAITS_FOR_A_PEER = """
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+from train import failure, regroup
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=120))
+failure.stop_on_signals()
+if rank == 1:
+    time.sleep(120)  # never joins the collective, as a peer that a stop already ended
+print("waiting", flush=True)
+try:
+    regroup.wait(dist.all_reduce(torch.zeros(1), async_op=True))
+except failure.Stopped as exc:
+    print(f"stopped: {exc}", flush=True)
+    os._exit(0)  # the pending collective would hold the process group's shutdown
+"""
+
+
+def test_a_rank_waiting_in_a_collective_turns_a_stop_into_its_record_at_once(tmp_path: Path) -> None:
+    """SIGTERM reaches a rank while it waits for a peer in a collective (make stop ends the peer first, or under
+    load later): the rank raises Stopped within seconds, so it records the stop, instead of waiting until the peer's
+    exit fails the collective, the collective timeout, or torchrun's kill after its grace period."""
+    argv = [[PYTHON, "-c", WAITS_FOR_A_PEER, str(rank), str(tmp_path / "store")] for rank in (0, 1)]
+    ranks = [subprocess.Popen(a, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for a in argv]  # fmt: skip
+    try:
+        assert ranks[0].stdout is not None and ranks[0].stdout.readline().strip() == "waiting"
+        time.sleep(1.0)  # in the wait by now
+        sent = time.monotonic()
+        ranks[0].send_signal(signal.SIGTERM)
+        out, _ = ranks[0].communicate(timeout=30)
+        assert "stopped: SIGTERM received" in out and time.monotonic() - sent < 10, out
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
 
 
 @pytest.mark.parametrize(

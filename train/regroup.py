@@ -271,9 +271,19 @@ def abandonable(inner: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
 
 
 def wait(work: dist.Work | None) -> None:
-    """Wait for a collective started with ``async_op=True``; GroupLost if it fails or the group is declared broken."""
-    if work is not None:
-        abandonable(work.get_future()).wait()
+    """Wait for a collective started with ``async_op=True``; GroupLost if it fails or the group is declared broken.
+
+    The wait is a ``threading.Event``'s, which a signal interrupts (``Future.wait`` blocks in C++ until the
+    collective ends): a rank waiting for a peer that a stop already ended still turns the stop's SIGTERM into
+    ``Stopped`` and records it (train/failure.py), instead of waiting until the peer's exit fails the collective
+    or torchrun kills it first."""
+    if work is None:
+        return
+    future = abandonable(work.get_future())
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    done.wait()
+    future.wait()  # complete: its value, or the collective's error
 
 
 def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
