@@ -3,6 +3,7 @@ layers, from each rank's memory and speed, with the arithmetic when nothing fits
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import replace
@@ -296,3 +297,78 @@ def test_make_train_refuses_a_model_the_hosts_cannot_hold_before_launch(capsys: 
     ugro_cli._plan_before_launch(REPO / REFERENCE, load_job(LLAMA8), LLAMA8, gpu_facts, dict.fromkeys(cards, 1))
     said = " ".join(capsys.readouterr().out.split())
     assert "data parallel, micro-batches node4070 at 1 instead of 2" in said, said
+
+
+def _set_partitions(items: list[int]) -> Any:
+    """Every way to group ``items`` into non-empty blocks."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in _set_partitions(rest):
+        yield [[first], *partition]
+        for i in range(len(partition)):
+            yield [*partition[:i], [first, *partition[i]], *partition[i + 1 :]]
+
+
+def _compositions(total: int, parts: int) -> Any:
+    """Every way to write ``total`` as ``parts`` positive counts, in order."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        yield [b - a for a, b in zip((0, *cuts), (*cuts, total), strict=True)]
+
+
+def _brute_best(job: JobConfig, shape: ModelShape, members: list[Member]) -> float:
+    """The highest throughput of any layout, by trying them all: every grouping of the ranks into pipelines, every
+    stage order, every count of layers per stage. The model is docs/pipeline.md's: a pipeline's micro-batch is its
+    stages' smallest cap and it takes an equal share of the global batch, ``m`` micro-batches a step; stage i holds
+    ``min(stages - i, m)`` in flight and must fit its rank by ``estimate``; the last stage also does the head's work;
+    a step takes ``(m + stages - 1)`` times the slowest stage's (layers + head) / speed, and the pipeline's
+    throughput is ``m * (layers + head) / step``. 0.0 when nothing fits."""
+    work = shape.layers + shape.head_work
+    best = 0.0
+    for partition in _set_partitions(list(range(len(members)))):
+        total = 0.0
+        for block in partition:
+            block_best = 0.0
+            for order in itertools.permutations(block):
+                stages = len(order)
+                micro = job.micro_batch_cap  # every rank here has the job's
+                m = max(1, math.ceil(job.train.global_batch_size / len(partition) / micro))
+                for counts in _compositions(shape.layers, stages):
+                    fits = all(
+                        estimate(shape, job, n, i == 0, i == stages - 1, min(stages - i, m), members[r].device,
+                                 micro=micro, backend="hf").total <= members[r].memory_gib
+                        for i, (r, n) in enumerate(zip(order, counts, strict=True))
+                    )  # fmt: skip
+                    if fits:
+                        head = [shape.head_work if i == stages - 1 else 0.0 for i in range(stages)]
+                        slowest = max((n + h) / members[r].speed for r, n, h in zip(order, counts, head, strict=True))
+                        block_best = max(block_best, m * work / ((m + stages - 1) * slowest))
+            if block_best == 0.0:
+                break
+            total += block_best
+        else:
+            best = max(best, total)
+    return best
+
+
+# Heavy layers and a small vocabulary, so that stages of a layer or two fit where the whole model does not.
+SMALL = ModelShape(model_type="llama", layers=8, hidden=1024, intermediate=4096, heads=16, kv_heads=16, head_dim=64,
+                   vocab=4096, tie_word_embeddings=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_plan_is_as_fast_as_the_best_of_every_layout(seed: int) -> None:
+    """Four ranks with random memories between a one-layer stage's and the whole model's and random speeds: the
+    plan's throughput is the best that trying every layout finds, and every stage of it fits its rank."""
+    whole = estimate(SMALL, DEFAULT, SMALL.layers, True, True, 1, "cuda", micro=1).total
+    low = max(estimate(SMALL, DEFAULT, 1, first, not first, 4, "cuda").total for first in (True, False))
+    chooser = random.Random(seed)
+    members = [Member(f"h{i}", round(low + (whole - low) * chooser.uniform(0.05, 0.95), 3),
+                      speed=chooser.choice([1.0, 0.7, 0.5])) for i in range(4)]  # fmt: skip
+    best = _brute_best(DEFAULT, SMALL, members)
+    assert best > 0
+    layout = plan(DEFAULT, SMALL, members)
+    assert layout.pipelined
+    assert sum(r.speed for r in layout.replicas) == pytest.approx(best, rel=1e-3), (layout, best)
+    assert all(s.peak_gib <= s.memory_gib for r in layout.replicas for s in r.stages)
