@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from train import headloss
+from train import headchunks, headloss
 from train.data import IGNORE
 from train.step import logits_loss, summed_loss
 
@@ -59,11 +59,11 @@ def _loss_and_grads(model: Any, new: bool) -> tuple[torch.Tensor, dict[str, torc
 SEVEN = 4 * VOCAB * 7  # CHUNK_BYTES for chunks of 7 label tokens
 
 
-@pytest.mark.parametrize(("tied", "chunk_bytes"), [(False, headloss.CHUNK_BYTES), (False, SEVEN), (True, SEVEN)])
+@pytest.mark.parametrize(("tied", "chunk_bytes"), [(False, headchunks.CHUNK_BYTES), (False, SEVEN), (True, SEVEN)])
 def test_equal_to_the_logits_path(tied: bool, chunk_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Loss and gradients, in one chunk or in chunks of 7 label tokens; LoRA on the head, or a head tied to the
     embedding."""
-    monkeypatch.setattr(headloss, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(headchunks, "CHUNK_BYTES", chunk_bytes)
     model = _model(tied=tied, lora_head=not tied)
     assert headloss.head(model) is model.get_base_model().lm_head
     old_loss, old_grads = _loss_and_grads(model, new=False)

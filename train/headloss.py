@@ -2,11 +2,11 @@
 
 ``model(...).logits`` is batch x seq x vocab: at Qwen2.5's 151,936 tokens, seq 1,024 and micro-batch 4 that is 2.3
 GiB in fp32, and the loss on it (upcast, log-softmax, its gradient) holds a few of those at once. Here the loss is
-computed from the hidden states the head reads, in chunks of label tokens (``CHUNK_BYTES`` of fp32 logits each, so
-memory no longer grows with batch x seq x vocab), and only at positions that have a label (prompt and padding
-positions cost nothing; ``CUDA_CHUNK_BYTES`` on a GPU). Each chunk's logits are those the head computes (its weight
-in the model's dtype, upcast to fp32, plus ``scaling * lora_B(lora_A(dropout(h)))`` when peft's LoRA is on the
-head), turned into the loss and, when gradients are wanted, into the gradients at once, as torch's chunked
+computed from the hidden states the head reads, in chunks of label tokens (train/headchunks.py ``chunk_bytes`` of
+fp32 logits each, so memory no longer grows with batch x seq x vocab), and only at positions that have a label
+(prompt and padding positions cost nothing). Each chunk's logits are those the head computes (its weight in the
+model's dtype, upcast to fp32, plus ``scaling * lora_B(lora_A(dropout(h)))`` when peft's LoRA is on the head),
+turned into the loss and, when gradients are wanted, into the gradients at once, as torch's chunked
 ``F.linear_cross_entropy`` does. Not that op itself: a LoRA'd head would have to pass it [W, B] as one weight, whose
 whole gradient (vocab x hidden) it would compute and hold although W is frozen, and with a bf16 model it returns the
 sum in bf16; here a frozen weight gets no gradient and the sum is taken in fp64. The result equals today's
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from train.data import IGNORE
-from train.headchunks import CHUNK_BYTES, CUDA_CHUNK_BYTES, TRANSFORMED_LOGITS, chunk_rows, transformed
+from train.headchunks import TRANSFORMED_LOGITS, chunk_bytes, chunk_rows, transformed
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class _ChunkedLoss(torch.autograd.Function):
         grad_low = torch.zeros_like(low) if low is not None and need[2] else None
         grad_up = torch.zeros_like(up) if up is not None and need[3] else None
         total = torch.zeros((), dtype=torch.float64, device=rows.device)
-        step = chunk_rows(weight.shape[0], CUDA_CHUNK_BYTES if rows.is_cuda else CHUNK_BYTES)
+        step = chunk_rows(weight.shape[0], chunk_bytes(rows.device.type))
         for start in range(0, rows.shape[0], step):
             part = slice(start, start + step)
             h, t = rows[part], wanted[part]
