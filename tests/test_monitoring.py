@@ -168,14 +168,19 @@ def exporter_http(planted: Path) -> Iterator[str]:
         server.server_close()
 
 
-def test_the_exporter_serves_the_job_state_that_the_status_module_reads(planted: Path, exporter_http: str) -> None:
-    """The controller's poll reads /job/<job-id> instead of running a playbook: the same state, checked."""
+def test_the_exporter_serves_the_planted_jobs_state(planted: Path, exporter_http: str) -> None:
+    """/job/<job-id>: the planted run's facts as the controller's poll reads them (that the exporter on a real host
+    answers what the playbook's status module finds there: tests below, on the test cluster)."""
     job = planted_run.JOB_ID
     answer = httpx.get(f"http://{exporter_http}/job/{job}?main=1", timeout=5)
     assert answer.status_code == 200 and answer.headers["content-type"] == "application/json"
-    expected = ugro_jobstate.status(planted / job, "node4070", main=True)
-    assert answer.json() == json.loads(json.dumps(expected)) | {"jobstate": ugro_jobstate.digest()}
-    assert answer.json()["state"] == "running" and answer.json()["step"] == 7
+    found = answer.json()
+    worker = int((planted / "active-job").read_text().split()[1])  # the planted rank's process
+    assert (found["host"], found["job"], found["state"], found["run_state"]) == ("node4070", job, "running", "running")
+    assert found["pids"] == {"worker-rank0": worker, "worker-rank1": worker} and found["ranks"] == [0, 1]
+    assert (found["step"], found["total_steps"], found["loss"], found["failures"]) == (7, 50, 6.5, [])
+    assert found["parts"] == {"0": "stage 1/2, layers 0-14", "1": "stage 2/2, layers 15-29"}
+    assert found["jobstate"] == ugro_jobstate.digest()  # the code it answers with, which the controller compares
     assert "step" not in httpx.get(f"http://{exporter_http}/job/{job}", timeout=5).json()  # not the main host
     missing = httpx.get(f"http://{exporter_http}/job/other-20260101-000000", timeout=5)
     assert missing.status_code == 404 and "node4070 has no run other-20260101-000000" in missing.json()["error"]
@@ -472,6 +477,13 @@ def test_exporters_prometheus_and_dashboard_during_a_job(
         states = poll()
         assert not poll.ran_playbook and {h: s["state"] for h, s in states.items()} == dict.fromkeys(texts, "running")
         assert states["tb1"]["step"] >= 3 and states["tb1"]["pids"] and "step" not in states["tb2"]
+        # What each exporter answers (as its own user, in its unit's sandbox, from the runs directory it was given) is
+        # what the playbook's status module finds on that host, the way a host without an exporter is polled.
+        by_ansible = RemoteSource(inventory, job_id, tmp_path / "ansible-status", ["tb1", "tb2", "tb3"], "tb1")()
+        same = ("host", "job", "run_dir", "state", "exit_code", "pids", "attempt", "ranks", "failures", "parts")
+        for host in ("tb1", "tb2", "tb3"):
+            assert {k: states[host].get(k) for k in same} == {k: by_ansible[host].get(k) for k in same}, host
+        mark("the exporters' states equal the status playbook's")
         exported = set().union(*(monitor.parse(t).names for t in texts.values())) | {"up"}
         missing = {n for n in grafana_series() if not n.startswith("ugro_gpu_")} - exported
         assert missing == set(), f"Grafana names series these exporters did not export: {missing}"
