@@ -132,8 +132,14 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
         job_id = _wait_for_step(testbed, "cluster-faults", 7, follower)
         assert tb.kill_ranks(testbed.dir, "tb3"), "no rank on tb3"
         _wait_for_step(testbed, "cluster-faults", 14, follower)
-        # The controller's record has the relaunch while the run goes on (a controller that re-attaches reads it).
-        so_far = json.loads((runs_dir() / job_id / ".control" / "supervision.json").read_text())
+        # The controller's record has the fault while the run goes on (a controller that re-attaches reads it). The
+        # survivors go on as soon as the controller's word reaches their hosts, a moment before its playbook returns
+        # and the controller writes the record: it may come a few steps later.
+        record = runs_dir() / job_id / ".control" / "supervision.json"
+        deadline = time.monotonic() + 60
+        while not (so_far := json.loads(record.read_text()))["restarts"] and time.monotonic() < deadline:
+            assert follower.poll() is None, "the controller ended"
+            time.sleep(0.5)
         assert [r["cause"]["host"] for r in so_far["restarts"]] == ["tb3"], so_far
         os.killpg(follower.pid, signal.SIGKILL)  # the controller, its polls and playbooks: gone without a word
         follower.wait()
