@@ -44,7 +44,8 @@ TOKENIZER = "models/tiny-llama"  # ids below every model's vocabulary; the weigh
 SCRATCH = Path(os.environ.get("UGRO_GPU_SCRATCH", "/tmp/ugro-gpu"))
 
 
-def _env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
+    """The environment of every process this benchmark starts: the checkout first on the path, no hub."""
     return os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                          "HF_HUB_OFFLINE": "1"}  # fmt: skip
 
@@ -126,14 +127,14 @@ def _job(path: Path, source: Path, quantization: str, steps: int, seq_len: int, 
     return path
 
 
-def _torchrun(job: Path, run_dir: Path, nproc: int, env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def torchrun(job: Path, run_dir: Path, nproc: int, env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
     port = 29500 + nproc
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0", "--module",
             "train.worker", "--job", str(job), "--run-dir", str(run_dir), "--resume", "none",
             "--code-dir", str(REPO)]  # fmt: skip
     return subprocess.run(
-        argv, cwd=REPO, env=_env() | env_extra, capture_output=True, text=True, timeout=900, check=False
+        argv, cwd=REPO, env=child_env() | env_extra, capture_output=True, text=True, timeout=900, check=False
     )
 
 
@@ -165,7 +166,7 @@ def train(out: Path) -> None:
         stem = re.sub(r"[^a-z0-9]+", "-", label)
         job = _job(work / f"{stem}.yaml", source, quant, steps=30, seq_len=512, batch=8)
         started = time.monotonic()
-        done = _torchrun(job, work / stem, nproc, extra)
+        done = torchrun(job, work / stem, nproc, extra)
         record: dict[str, Any] = {"what": "train", "case": label, "exit": done.returncode,
                                   "wall_s": round(time.monotonic() - started, 1)}  # fmt: skip
         if done.returncode == 0:
@@ -202,7 +203,7 @@ def probe(out: Path) -> None:
 
 def _probe(cap: float, job: Path, profile: Path | None) -> dict[str, Any]:
     argv = [sys.executable, "-c", PROBE, str(cap), str(job), str(REPO)] + ([str(profile)] if profile else [])
-    done = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900, check=False)
+    done = subprocess.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=900, check=False)
     found = re.search(r"UGRO_MEMPROBE (\{.*\})", done.stdout)
     return {"exit": done.returncode} | (
         {"probe": json.loads(found.group(1))} if found else {"tail": (done.stdout + done.stderr)[-1500:]}
@@ -239,7 +240,7 @@ def exporter(out: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     port = 9839
     serve = subprocess.Popen([sys.executable, "-m", "ugro.module_utils.ugro_exporter", "serve", "--port", str(port),
-                              "--runs-dir", str(work)], cwd=REPO, env=_env())  # fmt: skip
+                              "--runs-dir", str(work)], cwd=REPO, env=child_env())  # fmt: skip
     seen: dict[str, list[float]] = {}
     try:
         job = _job(work / "exporter.yaml", materialize(SMOLLM), "none", steps=40, seq_len=512, batch=8)
@@ -247,7 +248,7 @@ def exporter(out: Path) -> None:
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--nnodes=1", "--rdzv-backend=c10d",
              "--rdzv-endpoint=127.0.0.1:29531", "--max-restarts=0", "--module", "train.worker", "--job", str(job),
              "--run-dir", str(work / "exporter-run"), "--resume", "none", "--code-dir", str(REPO)],
-            cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         text = ""
         while trainer.poll() is None:

@@ -165,37 +165,44 @@ def text_rows(path: Path, tokenizer_dir: Path, seq: int, documents: int, rows_ea
     return path
 
 
-def _model(cell: Cell, model_dir: Path) -> dict[str, Any]:
-    return {"source": str(model_dir), "init": "pretrained", "quantization": cell.quant, "dtype": "bfloat16",
-            "backend": cell.backend}  # fmt: skip
+def _gpu() -> Any:
+    """bench/gpu.py, which imports this module: its environment and torchrun for the processes started here."""
+    from bench import gpu
+
+    return gpu
+
+
+def _job_file(cell: Cell, model_dir: Path, work: Path, data: Path, sections: dict[str, Any]) -> Path:
+    """The cell's job (the bare loop's model, LoRA and shape, training on ``data``) with ``sections``, written."""
+    name = cell.name.replace(" ", "-").replace("=", "-")
+    job = {
+        "name": name,
+        "model": {"source": str(model_dir), "init": "pretrained", "quantization": cell.quant, "dtype": "bfloat16",
+                  "backend": cell.backend},
+        "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": PROJECTIONS},
+        "data": {"source": str(data), "format": "text", "seq_len": cell.seq},
+        "rank_local": {"micro_batch_size": cell.micro, "gradient_checkpointing": cell.ckpt},
+    } | sections  # fmt: skip
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
 
 
 def trainer(cell: Cell, model_dir: Path, work: Path) -> dict[str, Any]:
     """The trainer's worker under torchrun (one rank, NCCL) on rows like the bare loop's: positions/s from the
     median step after three, peak memory from its log."""
-    stem = cell.name.replace(" ", "-").replace("=", "-")
     data, held_out = work / f"rows-{cell.seq}.jsonl", work / f"held-out-{cell.seq}.jsonl"
     if not data.exists():
         text_rows(data, model_dir, cell.seq, documents=cell.batch * cell.steps // 4 + 2, rows_each=4)
         text_rows(held_out, model_dir, cell.seq, documents=2, rows_each=1)
-    job = {
-        "name": stem,
-        "model": _model(cell, model_dir),
-        "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": PROJECTIONS},
-        "data": {"source": str(data), "format": "text", "seq_len": cell.seq},
+    job_file = _job_file(cell, model_dir, work, data, {
         "eval": {"source": str(held_out), "every": cell.steps, "samples": 0, "max_new_tokens": 8},
         "schedule": {"warmup_steps": 2},
         "train": {"max_steps": cell.steps, "global_batch_size": cell.batch, "log_every": 1, "seed": 1234},
         "checkpoint": {"every": cell.steps, "keep_last": 1},
-        "rank_local": {"micro_batch_size": cell.micro, "gradient_checkpointing": cell.ckpt},
-    }
-    job_file = work / f"{stem}.yaml"
-    job_file.write_text(yaml.safe_dump(job, sort_keys=False))
-    run_dir = work / stem
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--nnodes=1", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=127.0.0.1:29541", "--max-restarts=0", "--module", "train.worker", "--job", str(job_file),
-            "--run-dir", str(run_dir), "--resume", "none", "--code-dir", str(REPO)]  # fmt: skip
-    done = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    })  # fmt: skip
+    run_dir = work / job_file.stem
+    done = _gpu().torchrun(job_file, run_dir, 1, {})
     if done.returncode != 0:
         return {"exit": done.returncode, "tail": (done.stdout + done.stderr)[-2000:]}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -208,14 +215,11 @@ def trainer(cell: Cell, model_dir: Path, work: Path) -> dict[str, Any]:
             "loss_line": next((x for x in logs.splitlines() if "loss: " in x), None)}  # fmt: skip
 
 
-def _env() -> dict[str, str]:
-    return os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                         "HF_HUB_OFFLINE": "1"}  # fmt: skip
-
-
 def _child(what: str, cell: Cell, model_dir: Path) -> dict[str, Any]:
     argv = [sys.executable, "-m", "bench.gpu_compare", what, json.dumps(asdict(cell)), str(model_dir)]
-    done = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        argv, cwd=REPO, env=_gpu().child_env(), capture_output=True, text=True, timeout=600, check=False
+    )
     found = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if not found:
         return {"exit": done.returncode, "tail": (done.stdout + done.stderr)[-2000:]}
@@ -247,22 +251,15 @@ def compare(out: Path, emit: Any, materialize: Any) -> None:
 
 
 def _probe(cell: Cell, model_dir: Path, work: Path, mark: str) -> dict[str, Any]:
-    stem = cell.name.replace(" ", "-").replace("=", "-")
     data = text_rows(work / f"probe-{cell.seq}.jsonl", model_dir, cell.seq, documents=4, rows_each=2)
-    job = {
-        "name": stem,
-        "model": _model(cell, model_dir),
-        "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": PROJECTIONS},
-        "data": {"source": str(data), "format": "text", "seq_len": cell.seq},
-        "schedule": {"warmup_steps": 0},
-        "train": {"max_steps": cell.steps, "global_batch_size": cell.batch},
-        "rank_local": {"micro_batch_size": cell.micro, "gradient_checkpointing": cell.ckpt},
-    }
-    job_file = work / f"{stem}.yaml"
-    job_file.write_text(yaml.safe_dump(job, sort_keys=False))
+    job_file = _job_file(cell, model_dir, work, data, {
+        "schedule": {"warmup_steps": 0}, "train": {"max_steps": cell.steps, "global_batch_size": cell.batch},
+    })  # fmt: skip
     argv = [sys.executable, "-m", "train.tools.memprobe", "--job", str(job_file), "--steps", str(cell.steps),
             "--code-dir", str(REPO)]  # fmt: skip
-    done = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        argv, cwd=REPO, env=_gpu().child_env(), capture_output=True, text=True, timeout=600, check=False
+    )
     found = [x for x in done.stdout.splitlines() if x.startswith(mark + " ")]
     if not found:
         return {"exit": done.returncode, "tail": (done.stdout + done.stderr)[-2000:]}
