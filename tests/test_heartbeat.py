@@ -12,6 +12,7 @@ import json
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch.distributed as dist
 from helpers import closed_port, unanswering_port
@@ -50,7 +51,7 @@ def test_a_peer_that_does_not_answer_is_reported_and_one_that_answers_or_refuses
         time.sleep(3 * regroup.HEARTBEAT_S)  # and it stays so: h3 refuses at every round
         assert ugro_jobstate.silent_peers(tmp_path, "h1") == ["h4"]  # what the controller's status poll reads
         # After a regroup without h4 it is no peer any more.
-        beat.keep(("h1", "h2", "h3"))
+        beat.follow(SimpleNamespace(host="h1", stores=tuple((h, e) for h, e in peers.items() if h != "h4")))
         assert _silent(path, [], within_s=5) == []
     finally:
         beat.stop()

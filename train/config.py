@@ -240,6 +240,14 @@ class DistributedConfig(_Strict):
         "in their own processes, nothing redone (train/regroup.py); after that they fail and a controller "
         "relaunches from a checkpoint. 0: never regroup, always relaunch.",
     )
+    rejoins: int = Field(
+        2,
+        ge=0,
+        description="When a rank crashes on a host that stays up (the OOM killer, a driver error), the other hosts go "
+        "on without it and that host's ranks start again and rejoin them, taking the step, weights and optimizer "
+        "state from them (train/rejoin.py): at most this many times per host and launch. 0: a controller relaunches "
+        "every host from a checkpoint instead.",
+    )
     grad_compression: Literal["auto", "bf16", "none"] = Field(
         "auto",
         description="Gradients are all-reduced in bf16 (half the bytes). auto: bf16 when the trainable weights are "

@@ -111,6 +111,28 @@ def rejoin(info: RankInfo, membership: regroup.Membership, timeout_s: int) -> Ra
                     stores)  # fmt: skip
 
 
+def enter(info: RankInfo, group: Any, rank: int, timeout_s: int) -> RankInfo:
+    """Leave this rank's group and form ``group`` (train/rejoin.py ``Group``: a group grown by the hosts it took in)
+    as its rank ``rank``, through its main host's store."""
+    if group.main == info.host and _SERVERS:
+        store: dist.Store = _SERVERS[0].store
+    else:
+        store = regroup.endpoint_store(dict(group.stores)[group.main], timeout_s)
+    backend = "nccl" if info.device.type == "cuda" else "gloo"
+    comm.forget_control_group()
+    regroup.form(backend, store, info.attempt, group.generation, rank, len(group.hosts), timeout_s, info.device,
+                 "grow")  # fmt: skip
+    comm.control_group()
+    main_rank = group.hosts.index(group.main)
+    return RankInfo(rank, info.local_rank, len(group.hosts), info.host, info.device, main_rank, tuple(group.hosts),
+                    info.attempt, tuple(group.stores))  # fmt: skip
+
+
+def store_server() -> dist.Store | None:
+    """This process's regroup store, where it is its host's first rank."""
+    return _SERVERS[0].store if _SERVERS else None
+
+
 def regroup_store(info: RankInfo, host: str, timeout_s: int) -> dist.Store:
     """``host``'s regroup store: this process's own server where ``host`` is this rank's host and this is its first
     rank, else a client of it."""

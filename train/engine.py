@@ -32,7 +32,7 @@ from train.evaluate import HeldOut
 from train.model import DTYPES, load_model
 from train.records import Record
 from train.step import backward, clip
-from train.topology import Layout
+from train.topology import Layout, data_parallel
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class _Engine:
 
     model: Any
     balancer: Balancer
+    layout: Layout
     in_place: bool = True  # whether the survivors of a lost host go on in their processes (``regroup``)
 
     def rank_shares(self) -> tuple[int, ...]:
@@ -70,8 +71,10 @@ class DataParallel(_Engine):
         return f"data parallel, grad_compression={compress}"
 
     def regroup(self, info: RankInfo, src: int) -> str:
-        """Go on in the survivors' new group: DDP anew over it (from rank ``src``'s weights), shares re-planned."""
+        """Go on in a new group (survivors, or hosts taken back in): DDP anew over it (from rank ``src``'s weights),
+        shares re-planned, a whole replica on each of its ranks."""
         self.info, self.batch_rank = info, info.rank
+        self.layout = data_parallel(self.layout.layers, info.hosts, self.layout.reason)
         regroup.retire(self.ddp)  # its reducer holds the broken group (train/regroup.py _RETIRED says why)
         self.ddp = self.model
         return self.start(None, src)

@@ -36,6 +36,11 @@ class NonFiniteError(RuntimeError):
     """The loss or the gradient went NaN/Inf; the run stops and keeps its last good checkpoint."""
 
 
+class RejoinError(RuntimeError):
+    """Ranks started again to rejoin the running group found none to rejoin, or were not taken in (train/rejoin.py):
+    the run ended, every other host is gone, or its ranks hold pipeline stages. Not retried on this host."""
+
+
 class Stopped(BaseException):
     """SIGTERM or SIGINT reached the rank (BaseException: no ``except Exception`` swallows it)."""
 
@@ -76,6 +81,8 @@ def kind_of(exc: BaseException) -> str:
         return "non_finite"
     if isinstance(exc, Stopped):
         return "stopped"
+    if isinstance(exc, RejoinError):
+        return "rejoin"
     if isinstance(exc, torch.OutOfMemoryError | MemoryError):
         return "oom"
     if isinstance(exc, dist.DistError | TimeoutError | ConnectionError):

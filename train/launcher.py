@@ -54,11 +54,10 @@ def _rank(module_name: str, *argv: str) -> None:
     sys.exit(importlib.import_module(module_name).main(list(argv)))
 
 
-def _launch(argv: list[str]) -> None:
+def _launch_once(args: argparse.Namespace) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.launcher.api import elastic_launch
 
-    args = torchrun.parse_args(argv)
     module = _forkable(args)
     if module is None:
         gc.enable()
@@ -68,8 +67,9 @@ def _launch(argv: list[str]) -> None:
         args.master_port = 29500
     worker_args = list(args.training_script_args)
     preload = getattr(module, "preload", None)
-    if callable(preload):
+    if callable(preload) and not preloaded:
         preload(worker_args)
+        preloaded.append(module)
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "fork"
     # What the launcher imported stays out of every later collection, here and in the forked ranks: their
@@ -77,6 +77,31 @@ def _launch(argv: list[str]) -> None:
     gc.freeze()
     gc.enable()
     elastic_launch(config, _rank)(args.training_script, *worker_args)
+
+
+preloaded: list[ModuleType] = []
+
+
+def _launch(argv: list[str]) -> None:
+    """torchrun; where a rank crashed on this host while the others of a multi-host run go on, this host's ranks
+    start again, up to ``distributed.rejoins`` times, and rejoin the running group (train/comeback.py)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from train import comeback
+
+    args = torchrun.parse_args(argv)
+    place = comeback.Place.of(args)
+    for rejoin in range(place.rejoins + 1):
+        seen = place.records()
+        try:
+            _launch_once(args)
+            return
+        except ChildFailedError as exc:
+            why = place.crashed(exc, seen)
+            if rejoin == place.rejoins or why is None:
+                raise
+            place.come_back(args, why, rejoin + 1)
 
 
 def main(argv: list[str] | None = None) -> None:

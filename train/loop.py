@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from train import checkpoint, distributed, engine, evaluate, placement, preempt, regroup, survivors
+from train import checkpoint, distributed, door, engine, evaluate, placement, preempt, regroup, rejoin, survivors
 from train.config import JobConfig
 from train.data import Blocks, prepare
 from train.distributed import RankInfo
@@ -87,7 +87,8 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
 
     start = 0
     torch.manual_seed(job.train.seed + 7919 * (info.rank + 1))  # LoRA dropout differs per rank
-    restored = trainer.restore(run_dir, optimizer, scheduler) if resume else None
+    joining = rejoin.requested()  # this host's ranks crashed and were started again: they take the group's state
+    restored = trainer.restore(run_dir, optimizer, scheduler) if resume and not joining else None
     if restored is not None:
         start = restored.step
         log.info("resumed from %s at step %d", restored.path, start)
@@ -95,7 +96,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
             resumed = {"from_step": start, "last_step_logged": last_logged_step(run_dir), "attempt": info.attempt,
                        "world_size": info.world_size, "hosts": sorted(set(info.hosts))}  # fmt: skip
             write_status(run_dir, resumed=resumed)
-    elif resume:
+    elif resume and not joining:
         log.info("no intact checkpoint in %s: starting from step 0", run_dir / "checkpoints")
 
     how = trainer.start(restored.extra.get("plan") if restored else None)
@@ -111,6 +112,10 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
         job.micro_batch_cap,
         how,
     )
+    if joining:  # into the running group: its step, weights and optimizer state (train/rejoin.py)
+        info, progress.regrouped = survivors.come_back(info, trainer, optimizer, scheduler, run_dir, job)
+        start, progress.weights_due, balancer = progress.regrouped["from_step"], True, trainer.balancer
+        layout = trainer.layout
 
     def keep_records(first: int) -> MetricsWriter:
         """The main rank's records of the run from step ``first``: its state (run.json), metrics and TensorBoard.
@@ -155,7 +160,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
                      "fine-tuned" if adapter else "base model")  # fmt: skip
             write_status(run_dir, **{"eval_loss_after" if adapter else "eval_loss_before": round(value, 6)})
 
-    if start == 0:
+    if start == 0 and not joining:
         held_out_loss(0, adapter=False)
     trainer.train()
     part = layout.describe_rank(info.rank)  # what this rank computes, for `make status`
@@ -163,6 +168,8 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     # Ranks on several hosts go on without a lost host, in their own processes (train/regroup.py).
     peers = {h: e for h, e in info.stores if h != info.host} if info.local_rank == 0 else None
     watch = regroup.start(run_dir, info.host, peers) if several_hosts else None
+    if watch is not None and trainer.in_place and not joining:  # a host whose ranks crash may come back
+        rejoin.publish(run_dir, info, watch.generation, job.cluster_hash())
 
     def one_step(step: int) -> None:
         """Step ``step`` + 1 on every rank: forward, backward, the all-reduce, the update; then log, evaluate and
@@ -229,6 +236,11 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     while progress.step < job.train.max_steps:
         try:
             one_step(progress.step)
+            if watch is not None and door.due():  # hosts whose ranks came back: the group takes them in
+                taken = survivors.take_in(info, watch, trainer, optimizer, scheduler, progress.step, run_dir, job)
+                if taken is not None:
+                    info, progress.regrouped = taken
+                    progress.weights_due, balancer = True, trainer.balancer
         except Exception as exc:
             if watch is None or not regroup.broken(exc):
                 raise

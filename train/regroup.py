@@ -191,10 +191,10 @@ class Heartbeat:
     def stop(self) -> None:
         self._stopped.set()
 
-    def keep(self, hosts: tuple[str, ...]) -> None:
-        """After a regroup: only the hosts still in the group are peers."""
+    def follow(self, group: Any) -> None:
+        """After a regroup or a rejoin: the other hosts of the new group (``RankInfo.stores``) are the peers."""
         with self._lock:
-            self._peers = {h: e for h, e in self._peers.items() if h in hosts}
+            self._peers = {h: e for h, e in group.stores if h != group.host}
 
     def _beat(self) -> None:
         failed: dict[str, int] = {}
@@ -352,7 +352,7 @@ def retire(thing: Any) -> None:
 
 
 def form(backend: str, store: dist.Store, attempt: int, generation: int, rank: int, world: int, timeout_s: float,
-         device: torch.device) -> None:  # fmt: skip
+         device: torch.device, kind: str = "regroup") -> None:  # fmt: skip
     """Leave the broken default group (without waiting for what is under way in it) and form the new one.
 
     gloo: destroying the group returns at once, a collective pending on the lost peer fails with it. NCCL: such a
@@ -360,14 +360,15 @@ def form(backend: str, store: dist.Store, attempt: int, generation: int, rank: i
     group would wait for it. Aborting every communicator (``leave``) ends those kernels with an error. The new
     group is formed with ``device_id``: NCCL connects its communicator now, on this rank's GPU, not at the
     first collective. The model, the optimizer state and the gradients stay on the GPU throughout: they belong
-    to the process, not to the group."""
+    to the process, not to the group. ``kind``: "regroup" (survivors), "grow" (hosts taken back in: train/rejoin.py),
+    each generation's keys apart in the store, so that a grow that failed half-way leaves nothing a regroup reads."""
     if dist.is_initialized():
         retire(dist.group.WORLD)
         leave(backend)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         kwargs["device_id"] = device
-    prefixed = dist.PrefixStore(f"ugro-regroup-{attempt}-{generation}", store)
+    prefixed = dist.PrefixStore(f"ugro-{kind}-{attempt}-{generation}", store)
     dist.init_process_group(store=prefixed, rank=rank, world_size=world, **kwargs)
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from train import comm, headloss, regroup
+from train import comm, door, headloss, regroup
 from train.data import IGNORE, flat_labels, model_inputs
 from train.model import packs_by_lengths
 
@@ -174,16 +174,19 @@ class StepClock:
 
 def exchange(counted_tokens: int, clock: StepClock) -> int:
     """Collective, once per step: the step's label tokens summed over the ranks (each counts ``counted_tokens``),
-    and every rank's compute time and tokens of the previous step into ``clock.gathered*``."""
+    every rank's compute time and tokens of the previous step into ``clock.gathered*``, and the hosts waiting to
+    rejoin the group (train/door.py: the main rank's count), so that every rank learns of them in the same step."""
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
     rank = dist.get_rank() if initialized else 0
-    stats = comm.zeros(1 + 2 * world, torch.float64)
+    stats = comm.zeros(2 + 2 * world, torch.float64)
     stats[0] = counted_tokens
     stats[1 + rank] = clock.last_compute_s
     stats[1 + world + rank] = clock.last_tokens
+    stats[-1] = door.waiting()
     values = _all_reduce_sum(stats).tolist()
-    clock.gathered, clock.gathered_tokens = values[1 : 1 + world], values[1 + world :]
+    clock.gathered, clock.gathered_tokens = values[1 : 1 + world], values[1 + world : 1 + 2 * world]
+    door.announced(int(values[-1]))
     return int(values[0])
 
 

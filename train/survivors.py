@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from train import consensus, distributed, engine, failure, regroup
+from train import consensus, distributed, engine, failure, regroup, rejoin
 from train.config import JobConfig
 from train.distributed import RankInfo
 from train.metrics import RANK_STATUS, last_logged_step, write_status
@@ -59,9 +59,82 @@ def go_on(
         raise regroup.GroupLost(f"the new membership moved the main host from {main_host}, which is left, to "
                                 f"{membership.main}")  # fmt: skip
     new = distributed.rejoin(info, membership, job.distributed.timeout_s)
+    return settle(new, membership, decided_by, failure.one_line(lost), began, info, trainer, optimizer, scheduler, done,
+                  run_dir, job)  # fmt: skip
+
+
+def come_back(
+    info: RankInfo,
+    trainer: engine.Engine,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    run_dir: Path,
+    job: JobConfig,
+) -> tuple[RankInfo, dict[str, Any]]:
+    """This host's ranks were started again after a crash (train/rejoin.py): find the running group, ask to come in,
+    form the grown group and take the step, weights and optimizer state from a member. Returns this rank's place
+    and the record for its status file (``from_step``: where it goes on)."""
+    began = time.time()
+    if not trainer.in_place:
+        raise failure.RejoinError("a pipeline's stages cannot be rejoined: a controller relaunches the run")
+    grown, rank = rejoin.come_in(run_dir, info, job.cluster_hash(), job.distributed.startup_timeout_s)
+    peers = {h: e for h, e in grown.stores if h != info.host} if info.local_rank == 0 else None
+    watch = regroup.start(run_dir, info.host, peers)
+    new = distributed.enter(info, grown, rank, job.distributed.timeout_s)
+    if info.local_rank == 0:
+        rejoin.clear_mark(run_dir, info.host)
+    membership = regroup.Membership(grown.generation, tuple(dict.fromkeys(grown.hosts)), grown.main)
+    return settle(new, membership, "rejoin", f"{info.host} came back", began, info, trainer, optimizer, scheduler, -1,
+                  run_dir, job, watch)  # fmt: skip
+
+
+def take_in(
+    info: RankInfo,
+    watch: regroup.Watcher,
+    trainer: engine.Engine,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    done: int,
+    run_dir: Path,
+    job: JobConfig,
+) -> tuple[RankInfo, dict[str, Any]] | None:
+    """After step ``done``: the group takes in the hosts that asked to come back (train/rejoin.py ``admit``); None
+    when it took nobody in."""
+    began = time.time()
+    admitted = rejoin.admit(info, watch.generation, job.cluster_hash(), job.distributed.timeout_s)
+    if admitted is None:
+        return None
+    new, grown = admitted
+    membership = regroup.Membership(grown.generation, tuple(dict.fromkeys(grown.hosts)), grown.main)
+    came = ", ".join(h for h in membership.hosts if h not in info.hosts)
+    return settle(new, membership, "rejoin", f"{came} came back", began, info, trainer, optimizer, scheduler, done,
+                  run_dir, job)  # fmt: skip
+
+
+def settle(
+    new: RankInfo,
+    membership: regroup.Membership,
+    decided_by: str,
+    cause: str,
+    began: float,
+    info: RankInfo,
+    trainer: engine.Engine,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    done: int,
+    run_dir: Path,
+    job: JobConfig,
+    watch: regroup.Watcher | None = None,
+) -> tuple[RankInfo, dict[str, Any]]:
+    """Every member of a new group (after a regroup or a rejoin), in it: agree on the step, take the state of the
+    rank that holds it, re-wrap the model and re-plan the shares; record it. ``done``: the steps this rank completed
+    (-1: it has just come back); ``info``: its place before."""
+    watch = watch or regroup.watcher()
+    assert watch is not None
+    main_host = info.hosts[info.main_rank]
     beat = regroup.heartbeat()
     if beat is not None:
-        beat.keep(membership.hosts)  # the lost hosts are no peers any more
+        beat.follow(new)  # the lost hosts are no peers any more, the hosts taken in are
     watch.joined(membership)
     target, source, behind = regroup.agree_step(done)
     if behind:
@@ -69,13 +142,15 @@ def go_on(
     how = trainer.regroup(new, source)
     if new.rank != info.rank:
         (run_dir / "hosts" / info.host / RANK_STATUS.format(rank=info.rank)).unlink(missing_ok=True)
+    rejoin.publish(run_dir, new, membership.generation, job.cluster_hash())
     seconds = round(time.time() - began, 2)
     record = {"generation": membership.generation, "attempt": new.attempt, "from_step": target, "seconds": seconds,
               "hosts": list(membership.hosts), "main": membership.main, "decided_by": decided_by,
-              "time": round(time.time(), 3), "cause": failure.one_line(lost)}  # fmt: skip
-    log.info("regroup %d (%s decided): rank %d of %d on %s, from step %d (%d step(s) applied by a survivor only), "
-             "in %.2f s: %s", membership.generation, decided_by, new.rank, new.world_size, ", ".join(membership.hosts),
-             target, target - done, seconds, how)  # fmt: skip
+              "time": round(time.time(), 3), "cause": cause}  # fmt: skip
+    log.info("%s %d (%s decided): rank %d of %d on %s, from step %d (%d step(s) applied by another rank only), "
+             "in %.2f s: %s", "rejoin" if decided_by == "rejoin" else "regroup", membership.generation, decided_by,
+             new.rank, new.world_size, ", ".join(membership.hosts), target, target - max(done, 0), seconds,
+             how)  # fmt: skip
     watch.history.append(record | {"main_before": main_host})
     if new.is_main:
         regrouped = record | {"last_step_logged": last_logged_step(run_dir), "world_size": new.world_size,

@@ -1,7 +1,8 @@
 """What torchrun runs on every rank: ``python -m train.worker --job JOB --run-dir DIR``.
 
 Exit codes: 0 finished, 2 bad configuration (message names the file/host and key), 3 the loss or
-gradient went non-finite (the last good checkpoint is kept), 4 any other failure, 143 stopped. Every
+gradient went non-finite (the last good checkpoint is kept), 4 any other failure, 5 started again to rejoin the running
+group and found none to rejoin (train/rejoin.py), 143 stopped. Every
 ending but success appends the cause to ``hosts/<host>/failures.jsonl`` (train/failure.py); the main
 rank also writes it into run.json.
 """
@@ -16,7 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from train import distributed, failure, loop, model
+from train import distributed, failure, loop, model, rejoin
 from train.config import ConfigError, DistributedConfig, JobConfig, apply_profile, load_job, load_profile
 from train.metrics import write_status
 
@@ -94,7 +95,7 @@ def _name_process(rank: int) -> None:
         Path("/proc/self/comm").write_text(f"ugro-rank{rank}"[:15])
 
 
-EXIT_CODES = {"config": 2, "non_finite": 3, "stopped": 143}
+EXIT_CODES = {"config": 2, "non_finite": 3, "rejoin": 5, "stopped": 143}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,14 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         distributed.agree(problem, info)  # a bad file on one host stops every rank, none waits
         assert job is not None
         distributed.check_same_job(job, info)
-        if info.is_main:
+        if info.is_main and not rejoin.requested():  # ranks that rejoin find the run's record kept elsewhere
             write_status(run_dir, job_file=str(args.job))  # for the model card's command that reproduces the run
         loop.run(job, info, run_dir, args.code_dir.resolve(), resume, progress)
         return 0
     except (Exception, failure.Stopped) as exc:
         ended = failure.record(run_dir, exc, host, info.rank if info else rank, progress.step)
         log.error("%s: %s", ended.kind, ended.message)
-        if info.is_main if info else rank == 0:
+        if (info.is_main if info else rank == 0) and not rejoin.requested():
             state = "stopped" if ended.kind == "stopped" else "failed"
             write_status(run_dir, state=state, error=ended.message, cause=ended.to_dict())
         return EXIT_CODES.get(ended.kind, 4)
