@@ -257,3 +257,31 @@ def test_after_a_regroup_the_run_is_finished_once_the_main_rank_says_so_and_no_r
     ranks_left = agents_only | {"c": _status("running") | {"pids": {"launcher": 12, "worker-rank1": 13}}}
     assert watch.verdict(ranks_left) == "running"
     assert recovery.Watch(["a", "c"], main="a").verdict(agents_only) == "running"  # no regroup: torchrun ends
+
+
+def test_a_host_whose_crashed_ranks_come_back_is_left_out_until_they_do_then_taken_back_in() -> None:
+    """Its launcher runs and notes the rejoin (ugro/module_utils/ugro_jobstate.py ``rejoining``): a fault whose
+    cause is the crash, the others regroup without it (no relaunch), and the ranks' record of taking it back in
+    becomes a restart that does not count against train.max_restarts."""
+    hosts = ["a", "b", "c"]
+    whole = {"0": "the whole model"}
+    note = {"why": "rank 2 killed by signal 9", "rejoin": 1, "of": 2, "attempt": 0}
+    statuses = {"a": _alive(whole), "b": _alive(whole),
+                "c": _status("running") | {"pids": {"launcher": 10}, "rejoining": note}}  # fmt: skip
+    assert recovery.rejoining(statuses, hosts) == ["c"]
+    assert recovery.Watch(hosts, main="a").verdict(statuses) == "fault"
+    cause = recovery.root_cause(statuses, hosts, [])
+    assert cause is not None and (cause.kind, cause.host) == ("crashed", "c")
+    assert "rank 2 killed by signal 9" in cause.message
+    assert recovery.blamed(statuses, hosts, []) == []  # not left out of a later relaunch
+    assert recovery.regroup_survivors(statuses, hosts, "a", ["c"]) == ["a", "b"]
+    back = {"generation": 2, "attempt": 0, "from_step": 11, "seconds": 0.9, "hosts": ["a", "b", "c"], "main": "a",
+            "decided_by": "rejoin", "time": 1_800_000_000.0, "cause": "c came back"}  # fmt: skip
+    after = {"a": _alive(whole) | {"regroups": [back]}, "b": _alive(whole), "c": _alive(whole)}
+    assert recovery.rejoining(after, hosts) == []
+    restarts, (members, main, generation) = recovery.adopted(
+        recovery.survivors_regroups(after, attempt=0, generation=1), ["a", "b"], hosts, restarts_before=1
+    )
+    assert (members, main, generation) == (["a", "b", "c"], "a", 2)
+    assert (restarts[0].cause.kind, restarts[0].cause.host, restarts[0].decided_by) == ("rejoined", "c", "rejoin")
+    assert "-> taken back in on a, b, c from step 11 (0 steps redone)" in restarts[0].line()

@@ -3,9 +3,10 @@ again to rejoin the running group (train/rejoin.py), and starting them so.
 
 They start again when a rank crashed (killed by a signal: the kernel's OOM killer, a segfault, a driver abort) or
 failed with an error of its own (out of memory, an exception), while the other hosts of a multi-host run go on
-without it; at most ``distributed.rejoins`` times in one launch. They do not when the failure would repeat or is
-not this host's (a bad job, a non-finite loss, a collective that failed because a peer was lost, a rejoin that found
-no group) or when someone stopped the job (the launch script's stop signal ends this process before it gets here).
+without it; at most ``distributed.rejoins`` times in one launch, and no more than ``train.max_restarts``. They do
+not when the failure would repeat or is not this host's (a bad job, a non-finite loss, a collective that failed
+because a peer was lost, a rejoin that found no group) or when someone stopped the job (the launch script's stop
+signal ends this process before it gets here).
 
 A rank started again has no rendezvous with the other hosts (their torchrun agents are in the middle of their own
 launch): this host's torchrun runs its ranks alone (a c10d rendezvous on this host), and the ranks find the group
@@ -51,10 +52,11 @@ class Place:
         from train.config import ConfigError, load_job
 
         try:
-            rejoins = load_job(worker.job).distributed.rejoins
+            job = load_job(worker.job)
         except (ConfigError, OSError):
-            rejoins = 0
-        return cls(host_dir, rejoins)
+            return cls(host_dir, 0)
+        # A rejoin restarts this host's ranks: no more often than the run may restart at all.
+        return cls(host_dir, min(job.distributed.rejoins, job.train.max_restarts))
 
     def records(self) -> int:
         """How many failure records this host has (``hosts/<host>/failures.jsonl``: train/failure.py)."""

@@ -245,8 +245,8 @@ class DistributedConfig(_Strict):
         ge=0,
         description="When a rank crashes on a host that stays up (the OOM killer, a driver error), the other hosts go "
         "on without it and that host's ranks start again and rejoin them, taking the step, weights and optimizer "
-        "state from them (train/rejoin.py): at most this many times per host and launch. 0: a controller relaunches "
-        "every host from a checkpoint instead.",
+        "state from them (train/rejoin.py): at most this many times per host and launch, and no more than "
+        "train.max_restarts. 0: a controller relaunches every host from a checkpoint instead.",
     )
     grad_compression: Literal["auto", "bf16", "none"] = Field(
         "auto",

@@ -113,6 +113,11 @@ FIXES = {
     "job at the next relaunch once it answers",
     "unreachable": "the host stopped answering over SSH: check its power, cable or Wi-Fi and sleep settings",
     "launch": "a relaunch could not start there: read the message, fix the host, `make train RESUME=auto`",
+    "crashed": "a rank crashed on a host that stayed up; its ranks were started again to rejoin the others: look at "
+    "the host's kernel log (`journalctl -k`) and the rank's log for why it crashed",
+    "rejoined": "nothing to fix: the host's ranks came back into the group after a crash",
+    "rejoin": "the host's ranks were started again after a crash but found no group to rejoin (the run had ended or "
+    "every other host was gone); `make follow` relaunches a run that did not finish",
 }
 
 

@@ -47,6 +47,9 @@ PEERS = "peers.json"
 # When a controller that follows the run last asked this host, and how often it asks: while it is recent the ranks
 # leave a lost host to the controller's word, after it they agree among themselves (train/consensus.py).
 FOLLOWED = "followed.json"
+# hosts/<host>/rejoin.json: this host's ranks crashed and its launcher started them again to rejoin the others
+# (train/comeback.py MARK); removed once the group took them back in.
+REJOIN = "rejoin.json"
 # The launch: its script, its process group (written by the script itself), torchrun's log, its exit status.
 LAUNCH_SCRIPT = "launch.sh"
 LAUNCH_PID = "launch.pid"
@@ -174,6 +177,16 @@ def silent_peers(run_dir: Path, host: str) -> list[str]:
     return [str(h) for h in found] if isinstance(found, list) else []
 
 
+def rejoining(run_dir: Path, host: str, attempt: int | None) -> dict[str, Any] | None:
+    """The launcher's note that this host's ranks are coming back into the group (why, which time of how many), where
+    it is this launch's (``attempt``) and the ranks have not been taken back in yet."""
+    try:
+        found = json.loads((run_dir / "hosts" / host / REJOIN).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) and found.get("attempt") == attempt else None
+
+
 def rank_regrouped(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The newest regroup the ranks went through (their status files' ``regrouped``), or None."""
     found = [r["regrouped"] for r in records if isinstance(r.get("regrouped"), dict)]
@@ -218,7 +231,8 @@ def status(run_dir: Path, host: str, main: bool, follow_poll_s: float = 0.0) -> 
     result.update(state=state, exit_code=exit_code, pids=pids, attempt=attempt, ranks=ranks(run_dir, host),
                   failures=failures(run_dir, host, attempt), parts=parts(records),
                   rank_regrouped=rank_regrouped(records),
-                  silent_peers=silent_peers(run_dir, host) if pids else [])  # fmt: skip
+                  silent_peers=silent_peers(run_dir, host) if pids else [],
+                  rejoining=rejoining(run_dir, host, attempt) if "launcher" in pids else None)  # fmt: skip
     if main:
         last = last_metrics(run_dir)
         if last is not None:

@@ -59,7 +59,9 @@ class Restart:
     how: str = "relaunch"  # relaunch (from a checkpoint) or regroup (the survivors went on in their processes)
     membership_s: float | None = None  # regroup: the controller telling the survivors who is left
     regroup_s: float | None = None  # regroup: the ranks' own, from the collective that failed to the new group
-    decided_by: str = "controller"  # regroup: who named the survivors ("survivors": no controller followed)
+    # regroup: who named the members ("survivors": no controller followed; "rejoin": the group took back in a host
+    # whose crashed ranks were started again, train/rejoin.py)
+    decided_by: str = "controller"
 
     @property
     def settled(self) -> bool:
@@ -78,6 +80,8 @@ class Restart:
         done = "relaunched"
         if self.how == "regroup":
             done = "regrouped" + (" by the survivors themselves" if self.decided_by == "survivors" else "")
+            if self.decided_by == "rejoin":
+                done = "taken back in"
         return (f"restart {self.attempt}: {self.cause.line()} -> {done} on {', '.join(self.hosts_after)} "
                 f"from step {start} ({redone} steps redone)")  # fmt: skip
 

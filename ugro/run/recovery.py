@@ -57,6 +57,8 @@ class Watch:
             return "stopped" if over else "running"
         if self.unreachable() or any(s in ("failed", "lost", "absent") for s in states.values()):
             return "fault"
+        if rejoining(statuses, self.hosts):  # its ranks crashed: the others go on without it until it is back
+            return "fault"
         if all(s == "finished" for s in states.values()):
             return "finished"
         if self.regrouped and _finished_without_workers(statuses, self.hosts, self.main):
@@ -116,6 +118,10 @@ def root_cause(statuses: Statuses, hosts: list[str], unreachable: Iterable[str])
                     host,
                     int(rank),
                 )
+    for host in rejoining(statuses, hosts):
+        note = statuses[host]["rejoining"]
+        return Cause("crashed", f"{note.get('why') or 'a rank crashed'}; its launcher starts this host's ranks again "
+                     "to rejoin the others", host)  # fmt: skip
     for kind in SECONDARY:
         for record in records:
             if record.get("kind") == kind:
@@ -125,6 +131,12 @@ def root_cause(statuses: Statuses, hosts: list[str], unreachable: Iterable[str])
         code = statuses[failed].get("exit_code")
         return Cause("error", f"torchrun exited with code {code}; see the host's torchrun log", failed)
     return None
+
+
+def rejoining(statuses: Statuses, hosts: Iterable[str]) -> list[str]:
+    """Hosts whose ranks crashed and whose launcher starts them again to rejoin the group (train/comeback.py): the
+    others go on without them meanwhile (a regroup, not a relaunch), and they come back by themselves."""
+    return [h for h in hosts if statuses.get(h, {}).get("state") == "running" and statuses[h].get("rejoining")]
 
 
 def blamed(statuses: Statuses, hosts: list[str], unreachable: Iterable[str]) -> list[str]:
@@ -153,8 +165,9 @@ def regroup_survivors(statuses: Statuses, hosts: list[str], main: str, gone: lis
 
 def survivors_regroups(statuses: Statuses, attempt: int, generation: int) -> list[dict[str, Any]]:
     """The regroups of launch ``attempt`` newer than ``generation``, oldest first: those the ranks agreed on
-    themselves while no controller followed (train/consensus.py), from the main rank's history in run.json
-    (``regroups``) and every rank's newest (``rank_regrouped``)."""
+    themselves while no controller followed (train/consensus.py), and the hosts they took back in after a crash
+    (train/rejoin.py), from the main rank's history in run.json (``regroups``) and every rank's newest
+    (``rank_regrouped``)."""
     found: dict[int, dict[str, Any]] = {}
     for status in statuses.values():
         for record in [status.get("rank_regrouped"), *(status.get("regroups") or [])]:
@@ -178,13 +191,18 @@ def adopted(
         left = [h for h in hosts if h not in after]
         main, generation = str(record.get("main") or after[0]), int(record["generation"])
         step = int(record.get("from_step") or 0)
+        if record.get("decided_by") == "rejoin":
+            came = [h for h in after if h not in hosts]
+            cause = Cause("rejoined", "its ranks crashed, were started again and came back into the group",
+                          ", ".join(came) or "?")  # fmt: skip
+        else:
+            cause = Cause("lost", "its job was gone or it did not answer; the survivors went on without it",
+                          ", ".join(left) or "?")  # fmt: skip
         restart = Restart(
-            attempt=restarts_before + len(restarts) + 1, time=float(record.get("time") or 0.0),
-            cause=Cause("lost", "its job was gone or it did not answer; the survivors went on without it",
-                        ", ".join(left) or "?"),
+            attempt=restarts_before + len(restarts) + 1, time=float(record.get("time") or 0.0), cause=cause,
             hosts_before=hosts, hosts_after=after, left_out=[h for h in inventory if h not in after],
             rendezvous=main, checkpoint_step=None, last_step_seen=step, how="regroup",
-            regroup_s=record.get("seconds"), decided_by="survivors",
+            regroup_s=record.get("seconds"), decided_by=str(record.get("decided_by") or "survivors"),
         )  # fmt: skip
         restart.settle(step, step)  # nothing redone: the survivors went on from the newest step any of them had
         restarts.append(restart)

@@ -175,7 +175,8 @@ class Supervisor:
             if self.cluster.remote and main_status.get("state") == "running":
                 self._replicate(main, main_status, hosts)
             seen["verdict"] = watch.verdict(statuses)
-            return seen["verdict"] != "running"
+            # The ranks changed their group themselves (a crashed host's ranks came back): follow the new one.
+            return seen["verdict"] != "running" or bool(recovery.survivors_regroups(statuses, attempt, generation))
 
         statuses = follow(source, self.console, pacer, until)
         return str(seen["verdict"]), statuses, watch, int(seen["step"])
@@ -288,7 +289,9 @@ class Supervisor:
                 gone = recovery.blamed(statuses, hosts, unreachable)
             self.console.print(f"[bold red]failure:[/] {cause.line()}", highlight=False)
             detected = time.time()
-            survivors = self._survivors(statuses, hosts, main, gone, cause)
+            # A host whose crashed ranks its launcher starts again is left out of the group until they are back.
+            rejoining = [h for h in recovery.rejoining(statuses, hosts) if h not in gone]
+            survivors = self._survivors(statuses, hosts, main, gone + rejoining, cause)
             if survivors is not None:
                 kept = recovery.rendezvous_for(survivors, main)  # the main host, or the first survivor where it is gone
                 unanswered = self._regroup(survivors, kept, generation + 1)
@@ -302,9 +305,11 @@ class Supervisor:
                         membership_s=round(told - detected, 1),
                     ))  # fmt: skip
                     moved = f"; {kept} keeps the run's records now" if kept != main else ""
+                    back = f"; {', '.join(rejoining)} rejoins them once its ranks are up again" if rejoining else ""
+                    without = ", ".join(gone + rejoining)
                     self.console.print(
-                        f"[bold yellow]restart {len(self.restarts)}/{self.job.train.max_restarts}:[/] the ranks on "
-                        f"{', '.join(survivors)} go on without {', '.join(gone)} (no relaunch{moved})",
+                        f"[bold yellow]restart {self._counted()}/{self.job.train.max_restarts}:[/] the ranks on "
+                        f"{', '.join(survivors)} go on without {without} (no relaunch{moved}{back})",
                         highlight=False,
                     )
                     hosts, main, relaunch = survivors, kept, False
@@ -347,7 +352,7 @@ class Supervisor:
                 place_checkpoint_s=round(time.time() - stopped, 1),
             ))  # fmt: skip
             self.console.print(
-                f"[bold yellow]restart {len(self.restarts)}/{self.job.train.max_restarts}:[/] relaunching on "
+                f"[bold yellow]restart {self._counted()}/{self.job.train.max_restarts}:[/] relaunching on "
                 f"{', '.join(candidates)} (rendezvous {new_main}) from "
                 f"{f'checkpoint step {step}' if step is not None else 'step 0 (no intact checkpoint)'}",
                 highlight=False,
@@ -368,9 +373,13 @@ class Supervisor:
     def _give_up(self, cause: Cause) -> str | None:
         if cause.kind in recovery.NOT_RESTARTABLE:
             return f"a {cause.kind} failure would happen again on a relaunch"
-        if len(self.restarts) >= self.job.train.max_restarts:
-            return f"restarts exhausted ({len(self.restarts)} of train.max_restarts={self.job.train.max_restarts})"
+        if self._counted() >= self.job.train.max_restarts:
+            return f"restarts exhausted ({self._counted()} of train.max_restarts={self.job.train.max_restarts})"
         return None
+
+    def _counted(self) -> int:
+        """The restarts that count against ``train.max_restarts``: a host taken back in is not one (its crash was)."""
+        return sum(1 for r in self.restarts if r.decided_by != "rejoin")
 
     def _survivors(
         self, statuses: Statuses, hosts: list[str], main: str, gone: list[str], cause: Cause
