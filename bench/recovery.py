@@ -10,7 +10,10 @@ the job's state from them (``--no-exporters``: without them, every poll goes thr
 ``--controller gone`` the controller is detached (Ctrl-C: SIGINT to its process group) long enough before tb2's kill
 that the hosts no longer count it as following, and with ``--controller died`` its process group is SIGKILLed just
 before (a laptop that lost power): the survivors then decide themselves (train/consensus.py), and ``ugro follow``,
-started after tb2's regroup, takes the run up and handles the cut. Step
+started after tb2's regroup, takes the run up and handles the cut. With ``--fault rank`` only tb2's rank is SIGKILLed
+(a crashed rank on a host that stays up: the OOM killer, a driver error): tb1 and tb3 go on without it, tb2's launcher
+starts its rank again and the group takes it back in (train/rejoin.py), and one more figure says when the first
+step with tb2 back in ended. Step
 times come from the ranks' own metrics.jsonl (wall clock of this machine, which all test hosts share); where
 the time went comes from the run's restart record. The last line is one JSON object with the figures, the CPU
 seconds the whole machine spent from the launch to the first step (``launch_cpu_s``: controller, Ansible, the three
@@ -90,6 +93,13 @@ def _end_controller(proc: subprocess.Popen[str], how: str, poll_s: float) -> Non
         time.sleep(3 * poll_s + FOLLOW_GRACE_S + 1)
 
 
+def _back_in(bed: Any, job_id: str, host: str, moment: float) -> float | None:
+    """Seconds from ``moment`` to the end of the first step after it that ``host``'s ranks took part in."""
+    rows = [r for r in _rows(bed, job_id) if r["time"] > moment]
+    times = [r["time"] for r in rows if host in (r.get("ranks") or {}).get("host", [])]
+    return min(times) - moment if times else None
+
+
 def _first_step_after(bed: Any, job_id: str, moment: float) -> float:
     return min(r["time"] for r in _rows(bed, job_id) if r["time"] > moment) - moment
 
@@ -125,10 +135,13 @@ def main(
     controller: str = typer.Option(
         "follows", help="follows: throughout; gone: detached before tb2's kill; died: SIGKILLed just before it"
     ),
+    fault: str = typer.Option("host", help="host: every job process on tb2 is SIGKILLed; rank: only its rank"),
 ) -> None:
     """Bring up the test cluster, run the job with its two faults, print the figures."""
     if controller not in ("follows", "gone", "died"):
         raise typer.BadParameter(f"--controller {controller}: follows, gone or died")
+    if fault not in ("host", "rank"):
+        raise typer.BadParameter(f"--fault {fault}: host or rank")
     tb = testbed_cluster
     directory = Path(tempfile.mkdtemp(prefix="ugro-bench-recovery-"))
     jobs = contextlib.ExitStack()
@@ -155,7 +168,10 @@ def main(
         if controller != "follows":
             _end_controller(proc, controller, 2.0)
         killed = time.time()
-        tb.kill_processes(bed.dir, "tb2", f"/opt/ugro/runs/{job_id}")
+        if fault == "rank":
+            tb.kill_ranks(bed.dir, "tb2")
+        else:
+            tb.kill_processes(bed.dir, "tb2", f"/opt/ugro/runs/{job_id}")
         if controller != "follows":  # the survivors decide; then a controller takes the run up for the cut
             while not any(r["time"] > killed for r in _rows(bed, job_id)):
                 if time.time() > killed + 120:  # the survivors never went on (or the run had ended before the kill)
@@ -179,12 +195,15 @@ def main(
         first = min(r["time"] for r in _rows(bed, job_id)) - started
         launch_cpu = clock.busy(started, started + first)
         figures = [("launch -> first optimizer step (normal start)", first, "goal <= 15 s", None)]
+        restarts = [r for r in record["restarts"] if r.get("decided_by") != "rejoin"]
+        killed_what = "tb2's rank" if fault == "rank" else "tb2's job"
         for (what, moment, goal), restart in zip(
-            [("SIGKILL of tb2's job -> next step on tb1 + tb3", killed, "goal <= 10 s, 0 redone"),
+            [(f"SIGKILL of {killed_what} -> next step on tb1 + tb3", killed, "goal <= 10 s, 0 redone"),
              ("tb1 (rendezvous, main) link cut -> next step on the hosts left", cut, "goal <= 20 s")],
-            record["restarts"], strict=True,
+            restarts, strict=True,
         ):  # fmt: skip
             figures.append((what, _first_step_after(bed, job_id, moment), goal, restart | {"fault": moment}))
+        back = _back_in(bed, job_id, "tb2", killed) if fault == "rank" else None
         table = Table(title="recovery on the 3-host test cluster (this machine's load shows in every figure)")
         for column in ("what", "seconds", "goal", "how", "detect", "stop / tell", "checkpoint", "launch",
                        "to next step", "redone"):  # fmt: skip
@@ -199,6 +218,8 @@ def main(
             table.add_row(what, f"{seconds:.1f}", goal, restart["how"], *(f"{x:.1f}" for x in spent),
                           f"{seconds - sum(spent):.1f}", str(restart.get("steps_redone")))  # fmt: skip
         console.print(table)
+        if back is not None:
+            console.print(f"tb2's rank SIGKILLed -> first step with tb2 back in: {back:.1f} s", highlight=False)
         console.print(f"final hosts {record['hosts']}, rendezvous {record['rendezvous']}; run {REPO / 'runs' / job_id}")
         console.print(f"the first launch's phases (s): {json.dumps(record.get('launch_phases'))}", highlight=False)
         console.print(f"CPU the machine spent from the launch to the first step (every process): {launch_cpu:.1f} s "
@@ -215,6 +236,8 @@ def main(
             "polls": "exporters" if exporters else "ansible",
             "controller": controller,
             "kill_decided_by": kill[3].get("decided_by") if kill[3] else None,
+            "fault": fault,
+            "kill_to_back_in_s": round(back, 1) if back is not None else None,
         }
         print(json.dumps(result), flush=True)
     finally:

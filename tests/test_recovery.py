@@ -131,6 +131,7 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
     try:
         job_id = _wait_for_step(testbed, "cluster-faults", 7, follower)
         assert tb.kill_ranks(testbed.dir, "tb3"), "no rank on tb3"
+        crashed = time.monotonic()
         _wait_for_step(testbed, "cluster-faults", 14, follower)
         # The controller's record has the fault while the run goes on (a controller that re-attaches reads it). The
         # survivors go on as soon as the controller's word reaches their hosts, a moment before its playbook returns
@@ -146,6 +147,8 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
             assert time.monotonic() < deadline + 120 and follower.poll() is None, "tb3's rank did not rejoin"
             time.sleep(0.2)
         rejoined = {h: _rank_record(testbed, job_id, h)["regrouped"] for h in HOSTS}
+        print(f"tb3's rank back in the group {time.monotonic() - crashed:.1f} s after its kill, from step "
+              f"{rejoined['tb3']['from_step']}")  # fmt: skip
         os.killpg(follower.pid, signal.SIGKILL)  # the controller, its polls and playbooks: gone without a word
         follower.wait()
         before = {h: tb.host_ranks(testbed.dir, h) for h in ("tb1", "tb3")}

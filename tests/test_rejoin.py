@@ -88,6 +88,8 @@ def test_a_crashed_rank_comes_back_and_the_others_never_stop(tmp_path: Path) -> 
     assert back["from_step"] >= 6 and back["cause"] == "h2 came back", back
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step once: nothing redone
+    # h2 keeps the run's rows too (should it take the records up), the steps it missed while away included.
+    assert [r["step"] for r in read_metrics(run_dir / "hosts" / "h2")] == list(range(1, STEPS + 1))
     ranks = {h: json.loads(next((run_dir / "hosts" / h).glob("rank*.json")).read_text()) for h in HOSTS}
     # The three ranks trained on the same weights after h2 came back; h2 was rank 1, it is rank 2 now.
     weights = {h: r["regrouped"]["weights"] for h, r in ranks.items()}

@@ -33,6 +33,7 @@ from train import comm, distributed, door, failure, regroup
 from train.comeback import JOIN_ENV, MARK
 from train.config import ConfigError
 from train.distributed import RankInfo
+from train.metrics import EVAL, METRICS, last_logged_step
 
 log = logging.getLogger(__name__)
 
@@ -187,18 +188,25 @@ def come_in(run_dir: Path, info: RankInfo, job_hash: str, timeout_s: int) -> tup
                  ", ".join(dict.fromkeys(group.hosts)))  # fmt: skip
         asked = (group.to_json(), index)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        asked = regroup.gather_objects(asked)[0]
+        asked = regroup.gather_objects(asked, comm.control_group())[0]
     assert asked is not None
     group, index = Group.from_json(asked[0]), asked[1]
     store = _client(dict(group.stores)[group.main], timeout_s)
     key = door.answer_key(group.attempt, index)
     deadline = time.monotonic() + timeout_s
-    while not store.check([key]):
-        if time.monotonic() > deadline:
-            raise failure.RejoinError(f"{group.main} did not take this host in within {timeout_s} s "
-                              "(distributed.startup_timeout_s)")  # fmt: skip
-        time.sleep(ASK_EVERY_S)
-    answer = json.loads(store.get(key))
+    try:
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                raise failure.RejoinError(f"{group.main} did not take this host in within {timeout_s} s "
+                                          "(distributed.startup_timeout_s)")  # fmt: skip
+            time.sleep(ASK_EVERY_S)
+        answer = json.loads(store.get(key))
+    except RuntimeError as exc:  # its store went away: the group ended or lost its main host meanwhile
+        if isinstance(exc, failure.RejoinError):
+            raise
+        raise failure.RejoinError(
+            f"{group.main}'s store went away while this host waited to be taken in: {failure.one_line(exc)}"
+        ) from exc
     if "refused" in answer:
         raise ConfigError(f"the run refused this host: {answer['refused']}")
     grown = Group.from_json(json.dumps(answer["group"]))
@@ -208,3 +216,41 @@ def come_in(run_dir: Path, info: RankInfo, job_hash: str, timeout_s: int) -> tup
 def clear_mark(run_dir: Path, host: str) -> None:
     """The launcher's note that this host is coming back is answered: it is back."""
     (run_dir / "hosts" / host / MARK).unlink(missing_ok=True)
+
+
+def catch_up(run_dir: Path, info: RankInfo, newcomer: bool) -> None:
+    """Collective over the grown group: the rows of ``metrics.jsonl`` and ``eval.jsonl`` the newcomers missed while
+    they were away, from the main rank's files into each newcomer host's ``hosts/<host>/``, where its first rank keeps
+    the run's rows should its host take the run's records up (train/metrics.py ``take_over``)."""
+    keeper = newcomer and info.local_rank == 0
+    folder = run_dir / "hosts" / info.host
+    mine = (last_logged_step(folder) or 0) if keeper else None
+    wanted = [step for step in regroup.gather_objects(mine, comm.control_group()) if step is not None]
+    if not wanted:
+        return
+    since = min(wanted)
+    rows = {name: _rows_after(run_dir / name, since) for name in (METRICS, EVAL)} if info.is_main else None
+    sent = regroup.gather_objects(rows, comm.control_group())[info.main_rank]
+    if not keeper or not sent or mine is None:
+        return
+    for name, lines in sent.items():
+        missed = [line for step, line in lines if step > mine]
+        if missed:
+            with (folder / name).open("a", encoding="utf-8") as fh:
+                fh.writelines(line + "\n" for line in missed)
+
+
+def _rows_after(path: Path, step: int) -> list[tuple[int, str]]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            number = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if number > step:
+            rows.append((number, line))
+    return rows

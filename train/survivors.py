@@ -140,6 +140,8 @@ def settle(
     if behind:
         regroup.share_state(optimizer, scheduler, source)
     how = trainer.regroup(new, source)
+    if decided_by == "rejoin":
+        rejoin.catch_up(run_dir, new, newcomer=done < 0)
     if new.rank != info.rank:
         (run_dir / "hosts" / info.host / RANK_STATUS.format(rank=info.rank)).unlink(missing_ok=True)
     rejoin.publish(run_dir, new, membership.generation, job.cluster_hash())

@@ -187,7 +187,9 @@ class Supervisor:
         restart = self.restarts[-1]
         main_status = statuses.get(main, {})
         if restart.how == "regroup":
-            found = [main_status.get("regrouped")] + [s.get("rank_regrouped") for s in statuses.values()]
+            # The main rank's whole history too: the group may have changed again since (a host taken back in).
+            history = list(main_status.get("regroups") or [])
+            found = [main_status.get("regrouped"), *history] + [s.get("rank_regrouped") for s in statuses.values()]
             records = [r for r in found if isinstance(r, dict)]
             record = next((r for r in records if r.get("attempt") == attempt and r.get("generation") == generation), {})
             if not record:
@@ -209,6 +211,9 @@ class Supervisor:
         if self._settle_when_seen(statuses, main, attempt, generation):
             return
         restart = self.restarts[-1]
+        if restart.how == "regroup":  # the survivors went on from the step they had reached
+            restart.settle(restart.last_step_seen, restart.last_step_seen, estimated=True)
+            return
         restart.settle(restart.checkpoint_step or 0, 0, estimated=True)
 
     def _regroup(self, hosts: list[str], main: str, generation: int) -> dict[str, str]:
