@@ -136,6 +136,9 @@ def main(
         "follows", help="follows: throughout; gone: detached before tb2's kill; died: SIGKILLed just before it"
     ),
     fault: str = typer.Option("host", help="host: every job process on tb2 is SIGKILLed; rank: only its rank"),
+    rejoins: int = typer.Option(
+        2, help="the job's distributed.rejoins (0: a crashed rank is a relaunch of every host)"
+    ),
 ) -> None:
     """Bring up the test cluster, run the job with its two faults, print the figures."""
     if controller not in ("follows", "gone", "died"):
@@ -154,7 +157,12 @@ def main(
         # Detached, the controller is waited out for three polls and 10 s before tb2's kill: the run must outlast it.
         train = {"max_steps": 400 if controller == "gone" else 40, "global_batch_size": 6, "log_every": 10}
         job_file = jobs.enter_context(
-            tiny_job(NAME, train=train, checkpoint={"every": 5, "keep_last": 3}, distributed={"timeout_s": 20})
+            tiny_job(
+                NAME,
+                train=train,
+                checkpoint={"every": 5, "keep_last": 3},
+                distributed={"timeout_s": 20, "rejoins": rejoins},
+            )
         )
         argv = [sys.executable, "-m", "ugro.cli", "train", "--job", str(job_file), "--inventory", str(cluster),
                 "--poll", "2", "--skip-preflight"]  # fmt: skip
@@ -182,6 +190,12 @@ def main(
                                     start_new_session=True)  # fmt: skip
         _wait_step(bed, 25, proc)
         while not any(r["time"] > killed and r["step"] >= 27 for r in _rows(bed, job_id)):
+            time.sleep(0.1)
+        # One fault at a time: tb2's rank back in the group and two steps done with it before tb1's cut.
+        while fault == "rank" and len([r for r in _rows(bed, job_id) if r["time"] > killed
+                                       and "tb2" in (r.get("ranks") or {}).get("host", [])]) < 2:  # fmt: skip
+            if time.time() > killed + 300:
+                raise SystemExit("tb2's rank did not come back within 300 s of its kill")
             time.sleep(0.1)
         loads.append(os.getloadavg()[0])
         cut = time.time()
@@ -238,6 +252,7 @@ def main(
             "kill_decided_by": kill[3].get("decided_by") if kill[3] else None,
             "fault": fault,
             "kill_to_back_in_s": round(back, 1) if back is not None else None,
+            "rejoins": rejoins,
         }
         print(json.dumps(result), flush=True)
     finally:

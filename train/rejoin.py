@@ -172,10 +172,11 @@ def find(run_dir: Path, host: str, attempt: int) -> Group:
     return best
 
 
-def come_in(run_dir: Path, info: RankInfo, job_hash: str, timeout_s: int) -> tuple[Group, int]:
+def come_in(run_dir: Path, info: RankInfo, job_hash: str, wait_s: int, timeout_s: int) -> tuple[Group, int]:
     """Ask the running group's main host to take this host's ranks in, and wait for the answer (at the group's next
-    step boundary): the grown group and this rank's place in it. Collective over the host's own ranks: the first
-    finds the group and asks for all of them, each waits for the answer in the main host's store."""
+    step boundary, at most ``wait_s``): the grown group and this rank's place in it. Collective over the host's own
+    ranks: the first finds the group and asks for all of them, each waits for the answer in the main host's store,
+    whose every answer takes at most ``timeout_s`` (a main host that goes silent meanwhile ends the wait then)."""
     asked: tuple[str, int] | None = None
     if info.local_rank == 0:
         group = find(run_dir, info.host, info.attempt)
@@ -193,11 +194,11 @@ def come_in(run_dir: Path, info: RankInfo, job_hash: str, timeout_s: int) -> tup
     group, index = Group.from_json(asked[0]), asked[1]
     store = _client(dict(group.stores)[group.main], timeout_s)
     key = door.answer_key(group.attempt, index)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + wait_s
     try:
         while not store.check([key]):
             if time.monotonic() > deadline:
-                raise failure.RejoinError(f"{group.main} did not take this host in within {timeout_s} s "
+                raise failure.RejoinError(f"{group.main} did not take this host in within {wait_s} s "
                                           "(distributed.startup_timeout_s)")  # fmt: skip
             time.sleep(ASK_EVERY_S)
         answer = json.loads(store.get(key))

@@ -77,7 +77,8 @@ def come_back(
     began = time.time()
     if not trainer.in_place:
         raise failure.RejoinError("a pipeline's stages cannot be rejoined: a controller relaunches the run")
-    grown, rank = rejoin.come_in(run_dir, info, job.cluster_hash(), job.distributed.startup_timeout_s)
+    grown, rank = rejoin.come_in(run_dir, info, job.cluster_hash(), job.distributed.startup_timeout_s,
+                                 job.distributed.timeout_s)  # fmt: skip
     peers = {h: e for h, e in grown.stores if h != info.host} if info.local_rank == 0 else None
     watch = regroup.start(run_dir, info.host, peers)
     new = distributed.enter(info, grown, rank, job.distributed.timeout_s)
