@@ -279,6 +279,11 @@ def test_a_host_whose_crashed_ranks_come_back_is_left_out_until_they_do_then_tak
             "decided_by": "rejoin", "time": 1_800_000_000.0, "cause": "c came back"}  # fmt: skip
     after = {"a": _alive(whole) | {"regroups": [back]}, "b": _alive(whole), "c": _alive(whole)}
     assert recovery.rejoining(after, hosts) == []
+    # A controller that takes the run up only now, with no answer from the main host, finds the regroup before the
+    # rejoin in any rank's status file (its ``earlier`` regroups).
+    left = {"generation": 1, "attempt": 0, "from_step": 9, "hosts": ["a", "b"], "main": "a", "decided_by": "survivors"}
+    ranks_only = {"b": _alive(whole) | {"rank_regrouped": back | {"earlier": [left]}}}
+    assert [r["generation"] for r in recovery.survivors_regroups(ranks_only, attempt=0, generation=0)] == [1, 2]
     restarts, (members, main, generation) = recovery.adopted(
         recovery.survivors_regroups(after, attempt=0, generation=1), ["a", "b"], hosts, restarts_before=1
     )

@@ -161,7 +161,9 @@ def settle(
         # Every regroup of this launch, also where no controller followed: this rank went through each of them.
         write_status(run_dir, world_size=new.world_size, plan=trainer.balancer.plan.to_dict(), regrouped=regrouped,
                      regroups=watch.history)  # fmt: skip
-    return new, record
+    # The rank's status file keeps the launch's earlier regroups too: a controller that takes the run up reads the
+    # whole history from any host, also where a rejoin followed a regroup before it looked.
+    return new, record | {"earlier": [dict(r) for r in watch.history[:-1]]}
 
 
 AGREE_EVERY_S = 0.5  # between two looks for a controller's word or the survivors' own view

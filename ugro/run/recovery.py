@@ -170,7 +170,9 @@ def survivors_regroups(statuses: Statuses, attempt: int, generation: int) -> lis
     (``rank_regrouped``)."""
     found: dict[int, dict[str, Any]] = {}
     for status in statuses.values():
-        for record in [status.get("rank_regrouped"), *(status.get("regroups") or [])]:
+        newest = status.get("rank_regrouped")
+        earlier = newest.get("earlier") if isinstance(newest, dict) else None
+        for record in [newest, *(status.get("regroups") or []), *(earlier if isinstance(earlier, list) else [])]:
             if not isinstance(record, dict) or record.get("attempt") != attempt or not record.get("hosts"):
                 continue
             number = int(record.get("generation") or 0)
