@@ -15,7 +15,7 @@ without it (train/survivors.py). Meanwhile the host's launcher starts its ranks 
    after), and the joiners take the step, weights, optimizer and scheduler state from a survivor
    (train/survivors.py ``settle``) and the shares are re-planned. Nothing is redone.
 
-A joiner whose job differs from the group's (another job file or code) is refused with the difference named.
+A joiner whose job differs from the group's (another job file or code) is refused, naming both jobs' hashes.
 """
 
 from __future__ import annotations
