@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from train.failure import FAILURES
+
 JOIN_ENV = "UGRO_JOIN"  # train/rejoin.py reads it
 MARK = "rejoin.json"
 NOT_RETRIED = frozenset({"config", "non_finite", "collective", "rejoin"})
@@ -63,14 +65,14 @@ class Place:
         return cls(host_dir, min(job.distributed.rejoins, job.train.max_restarts))
 
     def records(self) -> int:
-        """How many failure records this host has (``hosts/<host>/failures.jsonl``: train/failure.py)."""
+        """How many failure records this host has (train/failure.py ``FAILURES``)."""
         return len(self._records())
 
     def _records(self) -> list[dict[str, Any]]:
         if self.host_dir is None:
             return []
         try:
-            lines = (self.host_dir / "failures.jsonl").read_text(encoding="utf-8").splitlines()
+            lines = (self.host_dir / FAILURES).read_text(encoding="utf-8").splitlines()
         except OSError:
             return []
         found = []

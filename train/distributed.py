@@ -98,34 +98,29 @@ def rejoin(info: RankInfo, membership: regroup.Membership, timeout_s: int) -> Ra
     survivors = regroup.new_ranks(info.hosts, membership.hosts)
     if info.rank not in survivors:
         raise regroup.GroupLost(f"the new membership left this host out of the group ({', '.join(membership.hosts)})")
-    store = regroup_store(info, membership.main, timeout_s)
-    rank = survivors.index(info.rank)
     hosts = tuple(info.hosts[r] for r in survivors)
-    backend = "nccl" if info.device.type == "cuda" else "gloo"
-    comm.forget_control_group()
-    regroup.form(backend, store, info.attempt, membership.generation, rank, len(survivors), timeout_s, info.device)
-    comm.control_group()  # the new group's, made while every survivor is here
-    main_rank = next(i for i, h in enumerate(hosts) if h == membership.main)
     stores = tuple((h, e) for h, e in info.stores if h in membership.hosts)
-    return RankInfo(rank, info.local_rank, len(survivors), info.host, info.device, main_rank, hosts, info.attempt,
-                    stores)  # fmt: skip
+    return _form(info, membership.generation, survivors.index(info.rank), hosts, membership.main, stores, timeout_s,
+                 "regroup")  # fmt: skip
 
 
 def enter(info: RankInfo, group: Any, rank: int, timeout_s: int) -> RankInfo:
     """Leave this rank's group and form ``group`` (train/rejoin.py ``Group``: a group grown by the hosts it took in)
     as its rank ``rank``, through its main host's store."""
-    if group.main == info.host and _SERVERS:
-        store: dist.Store = _SERVERS[0].store
-    else:
-        store = regroup.endpoint_store(dict(group.stores)[group.main], timeout_s)
+    return _form(info, group.generation, rank, tuple(group.hosts), group.main, tuple(group.stores), timeout_s, "grow")
+
+
+def _form(info: RankInfo, generation: int, rank: int, hosts: tuple[str, ...], main: str,
+          stores: tuple[tuple[str, str], ...], timeout_s: int, kind: str) -> RankInfo:  # fmt: skip
+    """Form the group of ``hosts`` (every rank's host) through ``main``'s store, as its rank ``rank``: this rank's
+    new place."""
+    store = _store_of(info, main, stores, timeout_s)
     backend = "nccl" if info.device.type == "cuda" else "gloo"
     comm.forget_control_group()
-    regroup.form(backend, store, info.attempt, group.generation, rank, len(group.hosts), timeout_s, info.device,
-                 "grow")  # fmt: skip
-    comm.control_group()
-    main_rank = group.hosts.index(group.main)
-    return RankInfo(rank, info.local_rank, len(group.hosts), info.host, info.device, main_rank, tuple(group.hosts),
-                    info.attempt, tuple(group.stores))  # fmt: skip
+    regroup.form(backend, store, info.attempt, generation, rank, len(hosts), timeout_s, info.device, kind)
+    comm.control_group()  # the new group's, made while every member is here
+    return RankInfo(rank, info.local_rank, len(hosts), info.host, info.device, hosts.index(main), hosts, info.attempt,
+                    stores)  # fmt: skip
 
 
 def store_server() -> dist.Store | None:
@@ -136,9 +131,13 @@ def store_server() -> dist.Store | None:
 def regroup_store(info: RankInfo, host: str, timeout_s: int) -> dist.Store:
     """``host``'s regroup store: this process's own server where ``host`` is this rank's host and this is its first
     rank, else a client of it."""
+    return _store_of(info, host, info.stores, timeout_s)
+
+
+def _store_of(info: RankInfo, host: str, stores: tuple[tuple[str, str], ...], timeout_s: int) -> dist.Store:
     if _SERVERS and host == info.host:
         return _SERVERS[0].store
-    endpoint = dict(info.stores).get(host)
+    endpoint = dict(stores).get(host)
     if endpoint is None:
         raise regroup.GroupLost(f"no regroup store is known for the new main host {host}")
     return regroup.endpoint_store(endpoint, timeout_s)

@@ -32,11 +32,10 @@ def answer_key(attempt: int, index: int) -> str:
 def keep(store: dist.Store | None, attempt: int) -> None:
     """After every change of group: the main rank keeps the door (its host's store), every other rank none. A host
     that becomes the main one counts from the requests its store holds now."""
-    if store is not None and store is not _DOOR.store:
-        _DOOR.answered = 0
-        _DOOR.store = store
-        _DOOR.answered = requests()
+    moved = store is not None and store is not _DOOR.store
     _DOOR.store, _DOOR.attempt = store, attempt
+    if moved:
+        _DOOR.answered = requests()
 
 
 def requests() -> int:

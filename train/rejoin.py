@@ -141,10 +141,6 @@ def _plan(info: RankInfo, generation: int, job_hash: str) -> Group | None:
 # -- the joiner's side ----------------------------------------------------------------------------------------
 
 
-def _client(endpoint: str, timeout_s: float) -> dist.Store:
-    return regroup.endpoint_store(endpoint, timeout_s)
-
-
 def find(run_dir: Path, host: str, attempt: int) -> Group:
     """The running group: the newest any other host's store names (from the stores this host's last ranks knew)."""
     path = run_dir / "hosts" / host / RECORD
@@ -157,7 +153,7 @@ def find(run_dir: Path, host: str, attempt: int) -> Group:
         if other == host:
             continue
         try:
-            store = _client(endpoint, 2.0)
+            store = regroup.endpoint_store(endpoint, 2.0)
             if not store.check([GROUP_KEY]):
                 continue
             found = Group.from_json(store.get(GROUP_KEY))
@@ -180,7 +176,7 @@ def come_in(run_dir: Path, info: RankInfo, job_hash: str, wait_s: int, timeout_s
     asked: tuple[str, int] | None = None
     if info.local_rank == 0:
         group = find(run_dir, info.host, info.attempt)
-        store = _client(dict(group.stores)[group.main], timeout_s)
+        store = regroup.endpoint_store(dict(group.stores)[group.main], timeout_s)
         index = int(store.add(door.count_key(group.attempt), 1)) - 1
         request = {"host": info.host, "ranks": info.world_size, "store": dict(info.stores).get(info.host, ""),
                    "job_hash": job_hash}  # fmt: skip
@@ -192,7 +188,7 @@ def come_in(run_dir: Path, info: RankInfo, job_hash: str, wait_s: int, timeout_s
         asked = regroup.gather_objects(asked, comm.control_group())[0]
     assert asked is not None
     group, index = Group.from_json(asked[0]), asked[1]
-    store = _client(dict(group.stores)[group.main], timeout_s)
+    store = regroup.endpoint_store(dict(group.stores)[group.main], timeout_s)
     key = door.answer_key(group.attempt, index)
     deadline = time.monotonic() + wait_s
     try:
