@@ -1,6 +1,7 @@
 """`make bench`: balanced training on an emulated heterogeneous cluster, and the trainer's own overhead.
 
-Part 1 runs the real trainer (torchrun, gloo, the default tiny model and data) as 3 ranks on this
+Part 1 runs the real trainer (the hosts' launcher, train/launcher.py: torchrun with its ranks forked from one
+process; gloo, the default tiny model and data) as 3 ranks on this
 machine that emulate devices of speed 1.0 / 0.6 / 0.5. The benchmark-only job section
 ``benchmark`` gives every rank a device time per token (train/step.py ``StepClock``): a rank
 computes each micro-batch for real, then sleeps until the micro-batch has taken its tokens x
@@ -101,7 +102,7 @@ def _start(name: str, setup: Setup, balance: str, factors: tuple[float, ...], ro
     job_file = root / f"{name}.yaml"
     job_file.write_text(yaml.safe_dump(_job(setup, balance, factors), sort_keys=False))
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={len(factors)}", "--nnodes=1",
+        sys.executable, "-m", "train.launcher", f"--nproc-per-node={len(factors)}", "--nnodes=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0",
         "-m", "train.worker", "--job", str(job_file), "--run-dir", str(run_dir), "--code-dir", str(REPO),
         "--benchmark",
