@@ -434,7 +434,8 @@ def test_exporters_prometheus_and_dashboard_during_a_job(
     assert [(t.host, t.address, t.port, t.node_exporter_port) for t in targets] == [
         (h.name, h.address, 9840, 9100 if h.name == "tb2" else 0) for h in testbed.hosts
     ]
-    # The job starts (a minute of launch and start-up) while the exporters are installed.
+    # The job starts (a minute of launch and start-up); the session's test cluster runs the exporters, installed by
+    # the provisioning playbook (tests/conftest.py).
     follower = subprocess.Popen(
         [PYTHON, "-m", "ugro.cli", "train", "--job", str(monitor_job), "--inventory", str(inventory), "--poll", "3"],
         cwd=REPO, env=run_env() | {"SKIP_PREFLIGHT": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -446,8 +447,6 @@ def test_exporters_prometheus_and_dashboard_during_a_job(
         print(f"{time.monotonic() - began:6.1f} s  {what}")
 
     try:
-        _install_exporters(ansible_playbook, inventory)
-        mark("exporters installed")
         config = tmp_path / "prometheus.yml"
         made = cli("prometheus-config", "--inventory", str(inventory), "--out", str(config), "--scrape-interval", "1s")
         assert made.returncode == 0, made.stdout + made.stderr
@@ -539,22 +538,23 @@ def test_exporters_prometheus_and_dashboard_during_a_job(
             follower.send_signal(signal.SIGINT)  # the follower detaches; the job is stopped below
         launched = sorted(p.name for p in runs_dir().glob("monitor-test-*"))
         # On every host at once: the job's own recorded processes (ugro_jobstate.stop, what `make stop`'s host
-        # module runs; `make stop` itself is tested in test_cluster.py), then the exporter.
+        # module runs; `make stop` itself is tested in test_cluster.py). The exporters stay: the session's test
+        # cluster runs them (tests/conftest.py), and tb3's, stopped above, is started again below.
         stop_job = (
             f"from pathlib import Path; from ugro.module_utils import ugro_jobstate as j; import json, socket; "
             f"print(json.dumps(j.stop(Path('/opt/ugro/runs/{launched[-1]}'), socket.gethostname(), 3)))"
             if launched
             else "print('{}')"
         )
-        stop_exporter = f"{PYTHON} {EXPORTER_ON_HOST} stop --pid-file {PID_FILE}"
-        both = f"{PYTHON} -c {shlex.quote(stop_job)}; {stop_exporter}"
         ssh = ["ssh", "-F", str(testbed.ssh_config)]
         stops = [
-            subprocess.Popen([*ssh, host, both], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            subprocess.Popen([*ssh, host, f"{PYTHON} -c {shlex.quote(stop_job)}"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
             for host in ("tb1", "tb2", "tb3")
-        ]
+        ]  # fmt: skip
         outputs = [proc.communicate(timeout=120)[0] for proc in stops]
-        mark("job and exporters stopped")
+        mark("job stopped")
+        _install_exporters(ansible_playbook, inventory)  # tb3's again, for the tests after this one
         if prom is not None:
             prom.terminate()
             prom.wait(timeout=30)
