@@ -147,11 +147,11 @@ def test_ctrl_c_detaches_the_run_goes_on_and_make_follow_takes_it_up_to_its_end(
     running on its host; `make status` says no controller follows it, and `make follow` follows it to its end and
     collects its results. (ansible-runner once took SIGINT for itself: Ctrl-C then only cancelled the playbook in
     flight and the controller kept following.)"""
-    # Epochs instead of a step count: the tiny job packs 266 rows of 128, 33.25 steps an epoch at 8 a step, so 4
-    # epochs are 133 steps (an unloaded machine runs a few a second: enough to press Ctrl-C before the end).
+    # Epochs instead of a step count: the tiny job packs 266 rows of 128, 33.25 steps an epoch at 8 a step, so 2
+    # epochs are 67 steps (an unloaded machine runs a few a second: enough to press Ctrl-C before the end).
     job = small_job(name=job_file.stem)
     del job["train"]["max_steps"]
-    job["train"]["epochs"] = 4
+    job["train"]["epochs"] = 2
     job_file.write_text(yaml.safe_dump(job, sort_keys=False))
     at = _in(checkout)
     env = run_env() | {"PYTHONPATH": str(checkout), "SKIP_PREFLIGHT": "1"} | at["env"]
@@ -183,7 +183,7 @@ def test_ctrl_c_detaches_the_run_goes_on_and_make_follow_takes_it_up_to_its_end(
         assert followed.returncode == 0, followed.stdout + followed.stderr
         assert f"following job {run_dir.name}" in " ".join(followed.stdout.split()), followed.stdout
         record = json.loads((run_dir / "run.json").read_text())
-        assert record["state"] == "finished" and record["step"] == record["total_steps"] == 133, record
+        assert record["state"] == "finished" and record["step"] == record["total_steps"] == 67, record
         assert (run_dir / "logs").is_dir() and not (run_dir / ".control" / "follower.json").exists()
     finally:
         if follower.poll() is None:

@@ -83,9 +83,10 @@ def _rank(rank: int, port: int, groups: list[list[int]], out: str, scratch: str)
 @pytest.mark.parametrize(
     "groups",
     [
+        # A pipeline alone (first and last stage), and one with a middle stage beside a whole-model replica with
+        # unequal shares: the 3-stage pipeline alone and the 2-stage one beside a replica checked nothing these two
+        # do not (19 + 37 CPU-s of the four's 115; docs/results.md "CI time").
         pytest.param([[2, 2]], id="2-stages"),
-        pytest.param([[1, 2, 1]], id="3-stages"),
-        pytest.param([[4], [1, 3]], id="whole-beside-2-stages"),
         pytest.param([[4], [2, 1, 1]], id="whole-beside-3-stages"),
     ],
 )
