@@ -85,7 +85,7 @@ def _rank(rank: int, port: int, groups: list[list[int]], out: str, scratch: str)
     [
         # A pipeline alone (first and last stage), and one with a middle stage beside a whole-model replica with
         # unequal shares: the 3-stage pipeline alone and the 2-stage one beside a replica checked nothing these two
-        # do not (19 + 37 CPU-s of the four's 115; docs/results.md "CI time").
+        # do not (19 + 37 CPU-s of the four's 114; docs/results.md "CI time").
         pytest.param([[2, 2]], id="2-stages"),
         pytest.param([[4], [2, 1, 1]], id="whole-beside-3-stages"),
     ],
