@@ -135,9 +135,14 @@ class LlamaModel:
 
     def __init__(self, llama: LlamaCpp, path: Path, n_ctx: int) -> None:
         lib = llama.binding()
+        # The prompt and held-out rows are evaluated as batches, whose threads llama-cpp-python sets to every core
+        # unless told: torch's thread count for both, as the merged model beside it runs (OMP_NUM_THREADS). Its
+        # threads wait for each other by spinning: two of them on a core that another process also wants made
+        # the check ~4 times as long (docs/results.md "CI time").
+        threads = torch.get_num_threads()
         self.model = lib.Llama(
             model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False, seed=0,
-            n_threads=torch.get_num_threads(),
+            n_threads=threads, n_threads_batch=threads,
         )  # fmt: skip
         self.metadata: dict[str, str] = dict(self.model.metadata)
 
