@@ -186,19 +186,13 @@ def testbed(netns: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Iter
     directory = tmp_path_factory.mktemp("testbed")
     bed = testbed_cluster.up(directory, hosts=3, subnet=SESSION_SUBNET)
     try:
-        _start_exporters(Path(bed.inventory))
+        # The exporters, as `make provision` leaves a cluster: the controller that follows a job reads its state
+        # from them over HTTP, where a host without one costs a status playbook every poll (~2.5 CPU-s;
+        # docs/results.md "CI time"). tests/test_monitoring.py stops one to see the poll turn to Ansible.
+        helpers.start_exporters(Path(bed.inventory))
         yield bed
     finally:
         testbed_cluster.down(directory)
-
-
-def _start_exporters(inventory: Path) -> None:
-    """Each host's node exporter, as `make provision` leaves a cluster (playbooks/provision.yml, tag exporter): the
-    controller that follows a job reads its state over HTTP, where a host without one costs a status playbook every
-    poll (~2.5 CPU-s; docs/results.md "CI time"). tests/test_monitoring.py stops one to see the poll turn to
-    Ansible, and starts it again."""
-    play = helpers.ansible_playbook(inventory, "playbooks/provision.yml", "--tags", "exporter", timeout=600)
-    assert play.returncode == 0, play.stdout[-4000:] + play.stderr[-2000:]
 
 
 @pytest.fixture(scope="session")

@@ -224,6 +224,13 @@ def ansible_playbook(
     return subprocess.run(argv, cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def start_exporters(inventory: Path) -> None:
+    """Each host's node exporter, as `make provision` leaves a cluster (playbooks/provision.yml, tag exporter,
+    ``exporter_state: started``): started where it does not run, left alone where it does."""
+    play = ansible_playbook(inventory, "playbooks/provision.yml", "--tags", "exporter", timeout=600)
+    assert play.returncode == 0, play.stdout[-4000:] + play.stderr[-2000:]
+
+
 def run_module(name: str, args: dict[str, Any], python: str = sys.executable, check: bool = False) -> dict[str, Any]:
     """Run a host module of library/ on localhost (local connection) with real `ansible` and ansible.cfg; its
     result, with ``failed`` set where the module failed."""

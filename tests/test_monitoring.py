@@ -29,7 +29,19 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from helpers import PYTHON, REPO, Run, cli, free_port, remove_runs, run_env, runs_dir, unavailable, write_job
+from helpers import (
+    PYTHON,
+    REPO,
+    Run,
+    cli,
+    free_port,
+    remove_runs,
+    run_env,
+    runs_dir,
+    start_exporters,
+    unavailable,
+    write_job,
+)
 
 from testbed import planted as planted_run
 from train.metrics import plot_loss, rank_figures
@@ -286,12 +298,6 @@ def _inventory(testbed: Any) -> Path:
     inventory = Path(testbed.inventory).parent / "monitored.yml"
     inventory.write_text(yaml.safe_dump(data))
     return inventory
-
-
-def _install_exporters(ansible_playbook: Run, inventory: Path) -> None:
-    """Role exporter on every host through the real provisioning playbook (tag exporter)."""
-    play = ansible_playbook(inventory, "playbooks/provision.yml", "--tags", "exporter")
-    assert play.returncode == 0, play.stdout[-4000:] + play.stderr[-2000:]
 
 
 @pytest.fixture()
@@ -554,7 +560,7 @@ def test_exporters_prometheus_and_dashboard_during_a_job(
         ]  # fmt: skip
         outputs = [proc.communicate(timeout=120)[0] for proc in stops]
         mark("job stopped")
-        _install_exporters(ansible_playbook, inventory)  # tb3's again, for the tests after this one
+        start_exporters(inventory)  # tb3's again, for the tests after this one
         if prom is not None:
             prom.terminate()
             prom.wait(timeout=30)
