@@ -138,15 +138,14 @@ typecheck: venv
 
 # The full tier (what CI runs): lint and types side by side (each uses one core: ansible-lint and mypy), every
 # test (the test cluster, torchrun, Ansible and SLURM ones need root and the tools .ci/run installs) as two pytest
-# processes side by side, the test cluster's tests and the others (tools/pytest-pair), then every role's Molecule
-# scenario. Tests and Molecule not side by side: on two cores pytest's ranks and Molecule's Ansible both want the
-# CPU, and together they took longer (docs/results.md). Each phase prints its duration as it ends (tools/timed); a
-# failing check's output comes whole (--output-sync).
+# processes side by side, the test cluster's tests and the others, and every role's Molecule scenario, started when
+# the first of the two ends (tools/pytest-pair --then-molecule). Not all three from the start: on two cores pytest's
+# ranks and Molecule's Ansible both want the CPU, and together they took longer (docs/results.md). Each phase prints
+# its duration as it ends (tools/timed); a failing check's output comes whole (--output-sync).
 TIMED := tools/timed
 test: venv
 	$(TIMED) "make test: lint and types" $(MAKE) --no-print-directory -j2 --output-sync=target lint typecheck
-	$(TIMED) "make test: pytest" tools/pytest-pair $(PY) $(PYTEST_ARGS)
-	$(TIMED) "make test: Molecule" $(MAKE) --no-print-directory molecule
+	$(TIMED) "make test: pytest and Molecule" tools/pytest-pair --then-molecule $(PY) $(PYTEST_ARGS)
 
 # The fast tier, a developer's loop (tests/README.md): ruff, then the tests that use none of the test cluster,
 # real ranks, Ansible, SLURM or the network (markers applied by tests/conftest.py); no root, under 3 minutes.
@@ -159,9 +158,10 @@ test-fast: venv
 # Every role's Molecule scenario (converge, idempotence, verify) on rootfs test hosts (root);
 # SCENARIO=<role> runs one. The first run debootstraps the test hosts' Debian 12 (~3 min, cached).
 # Three scenarios side by side (MOLECULE_JOBS), each on test hosts of its own: they mostly wait on SSH and apt.
+# MOLECULE_ARGS: more options of tools/molecule_all.py (make test's --fewer-until).
 MOLECULE_JOBS ?= 3
 molecule: venv
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(if $(SCENARIO),molecule test -s $(SCENARIO),$(PY) -m tools.molecule_all --jobs $(MOLECULE_JOBS))
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(if $(SCENARIO),molecule test -s $(SCENARIO),$(PY) -m tools.molecule_all --jobs $(MOLECULE_JOBS) $(MOLECULE_ARGS))
 
 # Provision the hosts of INVENTORY (driver, CUDA, Python env, network, firewall, NCCL env, profile).
 provision: venv

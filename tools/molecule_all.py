@@ -4,7 +4,10 @@ A scenario spends most of its time waiting on SSH round trips and package instal
 core idle; two side by side nearly halve the wall time on two cores. Each scenario's output goes to a log of
 its own, printed whole when the scenario fails; one line per scenario says how it ended and how long it took.
 
-    python -m tools.molecule_all [--jobs 2] [scenario ...]
+Beside other work that is about to end (`make test` starts Molecule beside the half of the test suite that is
+left, tools/pytest-pair), `--fewer-until FILE` runs one scenario at a time until FILE exists, then `--jobs`.
+
+    python -m tools.molecule_all [--jobs 2] [--fewer-until FILE] [scenario ...]
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,9 +52,30 @@ def run(scenario: str, logs: Path) -> Outcome:
     return outcome
 
 
+def run_all(chosen: list[str], logs: Path, jobs: int, fewer_until: Path | None) -> list[Outcome]:
+    """Every chosen scenario, in order, ``jobs`` at a time (one at a time until ``fewer_until`` exists)."""
+
+    def limit() -> int:
+        return jobs if fewer_until is None or fewer_until.exists() else 1
+
+    pending = list(chosen)
+    running: set[Future[Outcome]] = set()
+    outcomes: list[Outcome] = []
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        while pending or running:
+            while pending and len(running) < limit():
+                running.add(pool.submit(run, pending.pop(0), logs))
+            done, running = wait(running, timeout=2, return_when=FIRST_COMPLETED)
+            outcomes += [future.result() for future in done]
+    return sorted(outcomes, key=lambda o: chosen.index(o.scenario))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2, help="scenarios side by side (default 2)")
+    parser.add_argument(
+        "--fewer-until", type=Path, default=None, help="one scenario at a time until this file exists, then --jobs"
+    )
     parser.add_argument("scenario", nargs="*", help="scenarios to run (default: every one)")
     args = parser.parse_args(argv)
     known = scenarios()
@@ -62,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [s for s in known if s in args.scenario] if args.scenario else known
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ugro-molecule-") as tmp:
-        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            outcomes = list(pool.map(lambda s: run(s, Path(tmp)), chosen))
+        outcomes = run_all(chosen, Path(tmp), max(1, args.jobs), args.fewer_until)
         failed = [o for o in outcomes if o.returncode != 0]
         for outcome in failed:
             print(f"\n===== molecule {outcome.scenario} (exit {outcome.returncode}) =====", flush=True)
