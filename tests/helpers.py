@@ -6,12 +6,15 @@ offered there as a fixture of the same name, so that the test's tier follows fro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -153,6 +156,26 @@ def job_processes(job_id: str) -> list[str]:
                 continue
             if f"/opt/ugro/runs/{job_id}" in cmdline:  # the hosts' run dir (not the controller's)
                 found.append(f"{proc.name}: {cmdline[:120]}")
+    return found
+
+
+def end_job_processes(job_id: str, grace_s: float = 10.0) -> list[str]:
+    """End what is left of the hosts' runs whose id starts with ``job_id`` (a test that failed before its `make
+    stop`): SIGTERM to each process group, SIGKILL to what is left after ``grace_s``. What was found, for the
+    test's message; [] when nothing was. A job left running would hold the test cluster's cores and hosts for
+    every later test."""
+    found = job_processes(job_id)
+    groups = set()
+    for entry in found:
+        with contextlib.suppress(OSError):
+            groups.add(os.getpgid(int(entry.split(":", 1)[0])))
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for group in groups:
+            with contextlib.suppress(OSError):
+                os.killpg(group, sig)
+        deadline = time.monotonic() + wait_s
+        while job_processes(job_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
     return found
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import threading
 import time
@@ -99,3 +100,45 @@ def test_a_copy_that_fails_with_an_error_is_one_line_in_the_record_and_supervisi
     record = Outcome("finished", {}, ["h1", "h2"], "h1", copy_failures=supervisor.copy_failures).record()
     record.write(run_dir)
     assert RunRecord.read(run_dir) is not None and RunRecord.read(run_dir).copy_failures == [line]  # type: ignore[union-attr]
+
+
+class _SlowCopy(Replicator):
+    """A copy that takes 0.3 s and records which checkpoint it fetched and when it started."""
+
+    started: list[tuple[str, float]]
+
+    def fetch(self, host: str, name: str, cancelled: Any = None) -> str | None:
+        self.started.append((name, time.monotonic()))
+        time.sleep(0.3)
+        return None
+
+    def push(self, hosts: list[str], main: str, records: bool, cancelled: Any = None) -> dict[str, str]:
+        return {}
+
+    def local_newest(self) -> dict[str, Any] | None:
+        return None
+
+
+def test_checkpoints_written_faster_than_copied_are_copied_with_rests_between(tmp_path: Path) -> None:
+    """A checkpoint every 50 ms, each copy 0.3 s: the controller copies the newest one, rests twice the copy's
+    time, then copies the newest again; it never copies back to back."""
+    run_dir = tmp_path / "runs" / "fast-ckpt-20261128-000000"
+    supervisor = Supervisor(
+        JobConfig.model_validate(small_job()), Cluster(["h1", "h2"], "h1", remote=True), tmp_path / "inventory.yml",
+        run_dir, {}, Console(file=io.StringIO()), poll_s=1.0,
+    )  # fmt: skip
+    copies = _SlowCopy(tmp_path / "inventory.yml", run_dir, tmp_path / "ansible", keep_last=3, remote=True)
+    copies.started = []
+    supervisor.copies = copies
+    began = time.monotonic()
+    step = 0
+    while time.monotonic() - began < 2.5:
+        step += 5
+        supervisor._replicate("h1", {"last_checkpoint": f"checkpoints/step-{step:06d}"}, ["h1", "h2"])
+        time.sleep(0.05)
+    supervisor._copies_settled(["h1", "h2"])
+    starts = [t for _, t in copies.started]
+    assert 2 <= len(starts) <= 3, copies.started  # back to back, 2.5 s would hold eight
+    assert all(b - a >= 0.3 * 3 - 0.05 for a, b in itertools.pairwise(starts)), copies.started
+    names = [n for n, _ in copies.started]
+    assert names == sorted(names) and len(set(names)) == len(names)  # each time the newest, never one twice

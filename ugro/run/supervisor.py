@@ -32,6 +32,10 @@ from ugro.run.attach import Supervision
 from ugro.run.follow import ENDED, START_POLL_S, Pacer, RemoteSource, Statuses, follow, local_source
 from ugro.run.records import Cause, Restart, RunRecord
 
+# After a checkpoint copy that took d seconds, the next one waits COPY_REST x d (Supervisor._replicate): the copier
+# is busy at most a third of the time.
+COPY_REST = 2.0
+
 
 class LaunchError(RuntimeError):
     """The first launch failed before the job started (the playbook's failures say where)."""
@@ -75,6 +79,7 @@ class Supervisor:
         self.copy_failures: list[str] = []  # checkpoint copies that failed with an error: the run's record keeps them
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ugro-checkpoint-copy")
         self._copying: Future[None] | None = None
+        self._next_copy_at = 0.0  # time.monotonic() before which no new copy starts (_replicate)
         self._copy_hosts: set[str] = set()  # the hosts the copy under way talks to now
         self._members: set[str] = set()  # the run's hosts as the supervisor last knew them (run() keeps it)
         self._exporters: ExporterStates | None = None  # one for the run: a host given up on stays given up
@@ -123,12 +128,17 @@ class Supervisor:
         self.console.print(f"[yellow]note:[/] {line}", highlight=False)
 
     def _replicate(self, main: str, status: dict[str, Any], hosts: list[str]) -> None:
-        """In the background (polls go on): fetch the main host's newest checkpoint if the controller lacks it."""
+        """In the background (polls go on): fetch the main host's newest checkpoint if the controller lacks it.
+
+        A copy is a playbook (~4 CPU-s of the controller's and the main host's on the test cluster). Where a run
+        writes checkpoints faster than they are copied (every second, on the test cluster), copying one after the
+        other kept a core busy for the whole run: after a copy that took d seconds the next one starts no sooner
+        than ``COPY_REST`` x d later. A run with minutes between its checkpoints still copies every one."""
         name = Path(str(status.get("last_checkpoint") or "")).name
         ours = self.copies.local_newest()
         if not name or (ours is not None and ours["name"] >= name):
             return
-        if self._copying is None or self._copying.done():
+        if (self._copying is None or self._copying.done()) and time.monotonic() >= self._next_copy_at:
             self._copy_hosts = {main}
             self._copying = self._copier.submit(self._copy, main, name, hosts)
 
@@ -136,12 +146,16 @@ class Supervisor:
         """Fetch checkpoint ``name`` from the main host to the controller, then push it to the replicas. A copy that
         fails (the controller's disk full, a broken archive) is one line on the console and in the run's record;
         supervision goes on, and the next checkpoint is copied as usual."""
+        began = time.monotonic()
         try:
             self._copy_unguarded(main, name, hosts)
         except Exception as exc:  # a background copy must never end the supervision of the run
             line = f"checkpoint {name}: the copy from {main} failed: {type(exc).__name__}: {exc}"
             self.copy_failures.append(line)
             self.console.print(f"[yellow]{line}[/]", highlight=False)
+        finally:
+            ended = time.monotonic()
+            self._next_copy_at = ended + COPY_REST * (ended - began)
 
     def _copy_unguarded(self, main: str, name: str, hosts: list[str]) -> None:
         why = self.copies.fetch(main, name, self._copy_given_up)
