@@ -50,3 +50,18 @@ def test_without_the_option_the_jobs_run_from_the_start(tmp_path: Path, monkeypa
     outcomes = molecule_all.run_all(["a", "b", "c", "d"], tmp_path, jobs=2, fewer_until=None)
     assert [o.scenario for o in outcomes] == ["a", "b", "c", "d"]
     assert [side_by_side for _, side_by_side in started[:2]] == [1, 2], started
+
+
+def test_the_longest_scenarios_start_first_by_the_last_runs_times(tmp_path: Path) -> None:
+    every = molecule_all.scenarios()
+    times = {name: float(i) for i, name in enumerate(every)}  # the last one alphabetically... took longest
+    del times[every[0]]  # a scenario the last run did not time (a new one) goes first
+    order = molecule_all.scenarios(times)
+    assert order[0] == every[0] and order[1:] == sorted(times, key=lambda n: -times[n]), order
+    path = tmp_path / "cache" / "molecule-seconds.json"
+    ran = [molecule_all.Outcome("firewall", 0, 155.4, path), molecule_all.Outcome("exporter", 2, 9.0, path)]
+    molecule_all.write_times(path, ran)
+    molecule_all.write_times(path, [molecule_all.Outcome("nccl_env", 0, 73.0, path)])
+    assert molecule_all.read_times(path) == {"firewall": 155.4, "nccl_env": 73.0}  # a failed run's time is left out
+    path.write_text("not json")
+    assert molecule_all.read_times(path) == {}  # a damaged file only loses the order

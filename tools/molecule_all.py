@@ -1,8 +1,10 @@
 """Every role's Molecule scenario, a few at a time (`make molecule`): each on test hosts of its own.
 
 A scenario spends most of its time waiting on SSH round trips and package installs, so one at a time leaves a
-core idle; two side by side nearly halve the wall time on two cores. Each scenario's output goes to a log of
-its own, printed whole when the scenario fails; one line per scenario says how it ended and how long it took.
+core idle; two side by side nearly halve the wall time on two cores. The longest start first (each scenario's time
+in this machine's last run, ~/.cache/ugro/molecule-seconds.json), so that the short ones fill the gaps at the end.
+Each scenario's output goes to a log of its own, printed whole when the scenario fails; one line per scenario says
+how it ended and how long it took.
 
 Beside other work that is about to end (`make test` starts Molecule beside the half of the test suite that is
 left, tools/pytest-pair), `--fewer-until FILE` runs one scenario at a time until FILE exists, then `--jobs`.
@@ -13,6 +15,10 @@ left, tools/pytest-pair), `--fewer-until FILE` runs one scenario at a time until
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -20,6 +26,8 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+
+from ugro.model.basemodel import cache_root
 
 MOLECULE = Path(__file__).resolve().parent.parent / "molecule"
 
@@ -32,11 +40,39 @@ class Outcome:
     log: Path
 
 
-def scenarios() -> list[str]:
-    """Every scenario directory (one with a molecule.yml), the ones with most test hosts first: they take longest,
-    and starting them first leaves the short ones to fill the gaps."""
+def times_file() -> Path:
+    """How long each scenario took in this machine's last run (kept between runs and clones, like the other caches)."""
+    return cache_root() / "molecule-seconds.json"
+
+
+def read_times(path: Path) -> dict[str, float]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): float(v) for k, v in data.items() if isinstance(v, int | float)} if isinstance(data, dict) else {}
+
+
+def write_times(path: Path, outcomes: list[Outcome]) -> None:
+    """Add the passed scenarios' seconds to ``path`` (a failed one's time says little about the next run)."""
+    times = read_times(path) | {o.scenario: round(o.seconds, 1) for o in outcomes if o.returncode == 0}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(times, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def scenarios(times: dict[str, float] | None = None) -> list[str]:
+    """Every scenario directory (one with a molecule.yml), the longest first, so that the short ones fill the gaps
+    at the end: by ``times`` (a scenario not in them first), then by the number of test hosts."""
+    known = times or {}
     found = [p.parent for p in MOLECULE.glob("*/molecule.yml")]
-    return [p.name for p in sorted(found, key=lambda p: (-(p / "molecule.yml").read_text().count("- name:"), p.name))]
+
+    def longest_first(p: Path) -> tuple[float, int, str]:
+        hosts = (p / "molecule.yml").read_text().count("- name:")
+        return (-known.get(p.name, math.inf), -hosts, p.name)
+
+    return [p.name for p in sorted(found, key=longest_first)]
 
 
 def run(scenario: str, logs: Path) -> Outcome:
@@ -78,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("scenario", nargs="*", help="scenarios to run (default: every one)")
     args = parser.parse_args(argv)
-    known = scenarios()
+    times = times_file()
+    known = scenarios(read_times(times))
     unknown = sorted(set(args.scenario) - set(known))
     if unknown:
         print(f"no Molecule scenario {', '.join(unknown)} (there are: {', '.join(known)})", file=sys.stderr)
@@ -87,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ugro-molecule-") as tmp:
         outcomes = run_all(chosen, Path(tmp), max(1, args.jobs), args.fewer_until)
+        with contextlib.suppress(OSError):  # only the next run's order
+            write_times(times, outcomes)
         failed = [o for o in outcomes if o.returncode != 0]
         for outcome in failed:
             print(f"\n===== molecule {outcome.scenario} (exit {outcome.returncode}) =====", flush=True)
