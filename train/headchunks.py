@@ -15,7 +15,8 @@ from typing import Any
 CHUNK_BYTES = 256 * 2**20
 # On a GPU the chunk is what the loss adds to a step's peak over unsloth's own loss (its chunk and the model-dtype
 # copy beside it: 0.375 GiB at 256 MiB for Llama-3-8B, measured 6.76 against 6.39 GiB on an H100,
-# docs/gpu-results.md); at 128 MiB a chunk still reads the head weight at most twice per 261 tokens there.
+# docs/gpu-results.md; at 128 MiB it measured 6.40, on an H200); at 128 MiB a chunk still reads the head weight at
+# most twice per 261 tokens there.
 CUDA_CHUNK_BYTES = 128 * 2**20
 
 
