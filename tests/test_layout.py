@@ -34,6 +34,18 @@ def test_rank_code_imports_nothing_of_the_controller_or_benchmarks() -> None:
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
+def test_every_function_of_the_rank_code_reads_in_one_screen() -> None:
+    """No function or method in train/ is over 80 lines (the loop is a sequence of named steps: train/loop.py)."""
+    longer = {}
+    for path in sorted((REPO / "train").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    longer[f"{path.relative_to(REPO)}:{node.lineno} {node.name}"] = lines
+    assert longer == {}, "split these into named steps: " + ", ".join(f"{k} ({v} lines)" for k, v in longer.items())
+
+
 def test_nodes_receive_rank_code_and_no_controller_code() -> None:
     files = ugro_codetree.code_files(REPO)
     python = [f for f in files if f.endswith(".py")]
