@@ -41,6 +41,7 @@ from rich.table import Table
 
 from bench.cluster_job import tiny_job
 from testbed import cluster as testbed_cluster
+from testbed import exporters as testbed_exporters
 from train.consensus import FOLLOW_GRACE_S
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,16 +49,6 @@ SUBNET = "10.213.9.0/24"  # its own: `make test` and `make testbed-up` use other
 NAME = "bench-recovery"
 console = Console(width=170)
 app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0] if __doc__ else None)
-
-
-def _exporters(inventory: Path, state: str) -> None:
-    """Role exporter on every host through the provisioning playbook (tag exporter): ``started`` or ``stopped``."""
-    argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), "playbooks/provision.yml",
-            "--tags", "exporter", "-e", f"exporter_state={state}"]  # fmt: skip
-    env = os.environ | {"ANSIBLE_CONFIG": str(REPO / "ansible.cfg")}
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"role exporter ({state}) failed:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
 
 
 def _rows(bed: Any, job_id: str) -> list[dict[str, Any]]:
@@ -152,8 +143,8 @@ def main(
     try:
         cluster = tb.one_rank_per_host(bed, directory / "cluster.yml")
         if exporters:
-            jobs.callback(_exporters, cluster, "stopped")
-            _exporters(cluster, "started")
+            jobs.callback(testbed_exporters.set_state, cluster, "stopped")
+            testbed_exporters.set_state(cluster, "started")
         # Detached, the controller is waited out for three polls and 10 s before tb2's kill: the run must outlast it.
         train = {"max_steps": 400 if controller == "gone" else 40, "global_batch_size": 6, "log_every": 10}
         job_file = jobs.enter_context(

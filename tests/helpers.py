@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 import pytest
 import yaml
 
+from testbed import exporters
 from testbed.net import free_port
 
 __all__ = ["closed_port", "free_port", "unanswering_port"]  # re-exported: the tests take every helper from here
@@ -145,9 +146,10 @@ def remove_runs(name: str) -> None:
         shutil.rmtree(run)
 
 
-def job_processes(job_id: str) -> list[str]:
-    """Every process on this machine (all test hosts included) whose command line names the hosts' run."""
-    found = []
+def job_processes(job_id: str) -> dict[int, str]:
+    """Every process on this machine (all test hosts included) whose command line names the hosts' run: its pid
+    -> the command line's start."""
+    found = {}
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
@@ -155,20 +157,20 @@ def job_processes(job_id: str) -> list[str]:
             except OSError:
                 continue
             if f"/opt/ugro/runs/{job_id}" in cmdline:  # the hosts' run dir (not the controller's)
-                found.append(f"{proc.name}: {cmdline[:120]}")
+                found[int(proc.name)] = cmdline[:120]
     return found
 
 
-def end_job_processes(job_id: str, grace_s: float = 10.0) -> list[str]:
+def end_job_processes(job_id: str, grace_s: float = 10.0) -> dict[int, str]:
     """End what is left of the hosts' runs whose id starts with ``job_id`` (a test that failed before its `make
     stop`): SIGTERM to each process group, SIGKILL to what is left after ``grace_s``. What was found, for the
-    test's message; [] when nothing was. A job left running would hold the test cluster's cores and hosts for
+    test's message; {} when nothing was. A job left running would hold the test cluster's cores and hosts for
     every later test."""
     found = job_processes(job_id)
     groups = set()
-    for entry in found:
+    for pid in found:
         with contextlib.suppress(OSError):
-            groups.add(os.getpgid(int(entry.split(":", 1)[0])))
+            groups.add(os.getpgid(pid))
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         for group in groups:
             with contextlib.suppress(OSError):
@@ -250,8 +252,7 @@ def ansible_playbook(
 def start_exporters(inventory: Path) -> None:
     """Each host's node exporter, as `make provision` leaves a cluster (playbooks/provision.yml, tag exporter,
     ``exporter_state: started``): started where it does not run, left alone where it does."""
-    play = ansible_playbook(inventory, "playbooks/provision.yml", "--tags", "exporter", timeout=600)
-    assert play.returncode == 0, play.stdout[-4000:] + play.stderr[-2000:]
+    exporters.set_state(inventory, "started")
 
 
 def run_module(name: str, args: dict[str, Any], python: str = sys.executable, check: bool = False) -> dict[str, Any]:

@@ -91,11 +91,10 @@ def _left_behind(testbed: Any, job_id: str) -> str:
     """What is left of the job on this machine, with where each process waits, and the end of tb1's logs; "" when
     nothing is."""
     lines: list[str] = []
-    for entry in job_processes(job_id):
-        pid = entry.split(":", 1)[0]
+    for pid, cmdline in job_processes(job_id).items():
         state = next((x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("State")), "")
         waits = sorted({(t / "wchan").read_text() for t in Path(f"/proc/{pid}/task").iterdir()})
-        lines.append(f"{entry} [{state}; threads wait in {', '.join(waits)}]")
+        lines.append(f"{pid}: {cmdline} [{state}; threads wait in {', '.join(waits)}]")
     logs = testbed.dir / "tb1" / "opt" / "ugro" / "runs" / job_id / "hosts" / "tb1"
     for log in sorted(logs.glob("*.log")) if lines and logs.is_dir() else []:
         lines.append(f"--- {log.name}: " + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
