@@ -23,7 +23,7 @@ options:
     type: path
     required: true
   host:
-    description: Inventory name of the host (C(inventory_hostname)): the names of its launcher's log and failure
+    description: Inventory name of the host (C(inventory_hostname)), which names its launcher's log and failure
       records in the archive.
     type: str
     required: true
@@ -43,7 +43,6 @@ options:
   archive:
     description: Set by the action plugin, not by playbooks. Where on the host to write the archive.
     type: path
-    required: true
 author: ugro
 """
 
@@ -118,11 +117,13 @@ def main() -> None:
             "logs": {"type": "bool", "default": True},
             "results": {"type": "str"},
             "dest": {"type": "path"},  # read by the action plugin only
-            "archive": {"type": "path", "required": True},
+            "archive": {"type": "path"},  # set by the action plugin
         },
         supports_check_mode=True,
     )
     params = module.params
+    if not params["archive"]:
+        module.fail_json(msg="ugro_collect: run it as a task (its action plugin names the archive), not alone")
     try:
         files = members(Path(params["run_dir"]), params["host"], params["logs"], params["results"])
     except re.error as exc:
