@@ -23,16 +23,9 @@ import yaml
 from helpers import REPO, Run, cli, free_port, runs_dir, write_job
 
 from train.tools.allreduce import bus_bandwidth
-from ugro.checks.preflight_checks import (
-    Cell,
-    Report,
-    Thresholds,
-    _ephemeral_row,
-    _firewall_check,
-    _ifname_matches,
-    _memory_cell,
-    judge_fast,
-)
+from ugro.checks.preflight_checks import judge_fast, memory_cell
+from ugro.checks.preflight_network import ephemeral_row, firewall_check, ifname_matches
+from ugro.checks.preflight_report import Cell, Report, Thresholds
 
 
 def _cells(report: dict[str, Any], row: str) -> dict[str, dict[str, str]]:
@@ -49,8 +42,8 @@ def test_busbw_is_nccl_tests_definition() -> None:
 
 
 def test_ifname_semantics_follow_nccl() -> None:
-    assert _ifname_matches("eth", "eth0") and _ifname_matches("=eth0", "eth0") and not _ifname_matches("=eth", "eth0")
-    assert _ifname_matches("eno1,enp5s0", "enp5s0") and _ifname_matches("^docker", "eth0") is None
+    assert ifname_matches("eth", "eth0") and ifname_matches("=eth0", "eth0") and not ifname_matches("=eth", "eth0")
+    assert ifname_matches("eno1,enp5s0", "enp5s0") and ifname_matches("^docker", "eth0") is None
 
 
 def _facts(torch: str, gpu: tuple[str, str] | None = ("NVIDIA GeForce RTX 4070", "8.9"), driver: str = "580.173.02",
@@ -243,10 +236,10 @@ def _mesh(blocked: set[tuple[str, str]]) -> dict[str, dict[str, Any]]:
 
 def test_a_blocked_ephemeral_port_fails_on_the_host_that_blocks_it() -> None:
     hosts, addresses = ["a", "b", "c"], {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}
-    inbound = _ephemeral_row(_mesh({("a", "c"), ("b", "c")}), hosts, addresses).cells  # c's input drops them
+    inbound = ephemeral_row(_mesh({("a", "c"), ("b", "c")}), hosts, addresses).cells  # c's input drops them
     assert {h: c.status for h, c in inbound.items()} == {"a": "PASS", "b": "PASS", "c": "FAIL"}
     assert "allow tcp 32768-60999" in inbound["c"].fix and "on c" in inbound["c"].fix
-    outbound = _ephemeral_row(_mesh({("b", "a"), ("b", "c")}), hosts, addresses).cells  # b's output drops them
+    outbound = ephemeral_row(_mesh({("b", "a"), ("b", "c")}), hosts, addresses).cells  # b's output drops them
     assert {h: c.status for h, c in outbound.items()} == {"a": "PASS", "b": "FAIL", "c": "PASS"}
     assert "output rules of b" in outbound["b"].fix
 
@@ -258,7 +251,7 @@ def test_memory_that_does_not_fit_names_the_knob() -> None:
         "oom": "CUDA out of memory",
         "profile": "/etc/ugro/profile.yaml",
     }
-    cell = _memory_cell("node3070", oom, 0, "", Thresholds(), "jobs/x.yaml")
+    cell = memory_cell("node3070", oom, 0, "", Thresholds(), "jobs/x.yaml")
     assert (
         cell.status == "FAIL"
         and "rank_local.micro_batch_size (now 8)" in cell.fix
@@ -267,15 +260,15 @@ def test_memory_that_does_not_fit_names_the_knob() -> None:
     budget = oom | {"micro_batch_size": 2, "micro_batch_tokens": 4096}  # a token budget names that knob instead
     assert (
         "rank_local.micro_batch_tokens (now 4096, 2 sequences)"
-        in _memory_cell("n", budget, 0, "", Thresholds(), "j").fix
+        in memory_cell("n", budget, 0, "", Thresholds(), "j").fix
     )
     tight = {"micro_batch_size": 4, "peak_bytes": 7.9e9, "total_bytes": 8e9}
-    assert _memory_cell("n", tight, 0, "", Thresholds(), "j").status == "WARN"
+    assert memory_cell("n", tight, 0, "", Thresholds(), "j").status == "WARN"
 
 
 def test_a_fail_anywhere_fails_the_report_and_a_warn_does_not() -> None:
     """What `make train` refuses to launch on, and what the heavy phase is skipped for (network rows only)."""
-    from ugro.checks.preflight_checks import Check
+    from ugro.checks.preflight_report import Check
 
     report = Report(["a", "b"], "a", [Check("disk", {"a": Cell("PASS"), "b": Cell("WARN", "tight", "c", "f")})])
     assert not report.failed() and json.loads(report.to_json())["ok"] is True
@@ -303,35 +296,35 @@ def _fw(nft: list[dict[str, Any]] | None = None, ufw: dict[str, Any] | None = No
 
 
 def test_a_firewall_open_to_the_members_only_passes() -> None:
-    cell = _firewall_check("a", _fw(NFT_RULES), MEMBERS, 29500)
+    cell = firewall_check("a", _fw(NFT_RULES), MEMBERS, 29500)
     assert (cell.status, cell.detail) == ("PASS", "members only (nftables)")
     ufw = {"active": True, "default_incoming": "deny", "rules": [dict(r) for r in NFT_RULES]}
-    assert _firewall_check("a", _fw(None, ufw), MEMBERS, 29500).status == "PASS"
+    assert firewall_check("a", _fw(None, ufw), MEMBERS, 29500).status == "PASS"
 
 
 def test_ports_open_to_the_subnet_are_a_warn_naming_the_host_the_subnet_and_the_fix() -> None:
     subnet = [dict(NFT_RULES[1], sources=["10.0.0.0/24"]) if i == 1 else r for i, r in enumerate(NFT_RULES)]
-    cell = _firewall_check("a", _fw(subnet), MEMBERS, 29500)
+    cell = firewall_check("a", _fw(subnet), MEMBERS, 29500)
     assert (cell.status, cell.detail) == ("WARN", "open to 10.0.0.0/24")
     assert "a's ports 29500 and 32768-60999" in cell.cause and "10.0.0.0/24" in cell.cause
     assert cell.fix.startswith("on a: make provision") and "firewall_allow_from: members" in cell.fix
 
 
 def test_a_host_without_the_ugro_firewall_is_a_warn_open_to_all() -> None:
-    cell = _firewall_check("b", _fw(None, {"active": False, "default_incoming": "deny", "rules": []}), MEMBERS, 29500)
+    cell = firewall_check("b", _fw(None, {"active": False, "default_incoming": "deny", "rules": []}), MEMBERS, 29500)
     assert (cell.status, cell.detail) == ("WARN", "open to all") and "no ugro firewall on b" in cell.cause
     # ufw active but allowing the ports from anywhere: still open.
     ufw = {"active": True, "default_incoming": "deny", "rules": [{"action": "accept", "sources": None, "ports": None}]}
-    assert _firewall_check("b", _fw(None, ufw), MEMBERS, 29500).detail == "open to all"
+    assert firewall_check("b", _fw(None, ufw), MEMBERS, 29500).detail == "open to all"
     # A rule the table lacks (the rendezvous port not listed) falls through to the accept policy.
     partial = [dict(r, ports=[[32768, 60999]]) for r in NFT_RULES[1:]]
-    assert _firewall_check("b", _fw(partial), MEMBERS, 29500).detail == "open to all"
+    assert firewall_check("b", _fw(partial), MEMBERS, 29500).detail == "open to all"
 
 
 def test_a_loopback_cluster_and_an_unreadable_firewall_are_no_warn() -> None:
-    assert _firewall_check("localhost", _fw(None), {"localhost": "127.0.0.1"}, 29500).status == "PASS"
+    assert firewall_check("localhost", _fw(None), {"localhost": "127.0.0.1"}, 29500).status == "PASS"
     unreadable = {"port_range": "32768-60999", "firewall": {"nftables": None, "ufw": None, "why": "sudo: a password"}}
-    assert _firewall_check("a", unreadable, MEMBERS, 29500).status == "SKIP"
+    assert firewall_check("a", unreadable, MEMBERS, 29500).status == "SKIP"
 
 
 def test_the_firewall_row_is_judged_in_the_fast_report() -> None:
@@ -618,12 +611,12 @@ def test_planted_failures_fail_on_the_right_host_with_the_fix(planted: Path, ugr
 
 def test_services_inside_the_closed_range_are_a_warn_naming_them_and_the_fix() -> None:
     facts = _fw(NFT_RULES) | {"range_listeners": [{"port": 40123, "address": "0.0.0.0", "process": "rpc.mountd"}]}
-    cell = _firewall_check("a", facts, MEMBERS, 29500)
+    cell = firewall_check("a", facts, MEMBERS, 29500)
     assert (cell.status, cell.detail) == ("WARN", "members only; cuts 1 service(s)")
     assert "rpc.mountd on 40123" in cell.cause and "a's firewall refuses the ports 32768-60999" in cell.cause
     assert "net.ipv4.ip_local_port_range" in cell.fix and cell.fix.startswith("on a: ")
     # Without the members-only firewall nothing is cut (that host gets the "open" warning instead).
     assert (
-        _firewall_check("a", _fw(None, None) | {"range_listeners": facts["range_listeners"]}, MEMBERS, 29500).detail
+        firewall_check("a", _fw(None, None) | {"range_listeners": facts["range_listeners"]}, MEMBERS, 29500).detail
         == "open to all"
     )

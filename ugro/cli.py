@@ -33,7 +33,8 @@ from train.stageplan import PlanError
 from ugro.checks import doctor, jobcheck, ranks
 from ugro.checks import plan as stageplan
 from ugro.checks import preflight as preflight_run
-from ugro.checks.preflight_checks import Thresholds, lock_cuda
+from ugro.checks.preflight_report import Thresholds
+from ugro.checks.preflight_stack import lock_cuda
 from ugro.hosts import codesync
 from ugro.hosts.inventory import Cluster, InventoryError, read_cluster
 from ugro.hosts.playbook import REPO, RUNS_ENV, PlaybookRun, run_playbook, runs_dir

@@ -18,17 +18,10 @@ from rich.table import Table
 
 from train.config import load_job
 from ugro.checks import jobcheck
-from ugro.checks.preflight_checks import (
-    NETWORK_ROWS,
-    ORDER,
-    Cell,
-    Check,
-    Report,
-    Thresholds,
-    judge_fast,
-    judge_heavy,
-    lock_cuda,
-)
+from ugro.checks.preflight_checks import judge_fast, judge_heavy
+from ugro.checks.preflight_network import NETWORK_ROWS
+from ugro.checks.preflight_report import ORDER, Cell, Check, Report, Thresholds
+from ugro.checks.preflight_stack import lock_cuda
 from ugro.hosts import codesync
 from ugro.hosts.playbook import REPO, PlaybookRun, run_playbook
 from ugro.module_utils import ugro_codetree as codetree

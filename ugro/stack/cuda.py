@@ -3,7 +3,7 @@ build has kernels for, and the training backend a host really runs with what it 
 
 Three places read it: `make provision` refuses a driver pin older than the lock's CUDA runtime needs
 (roles/nvidia_driver runs ``python -m ugro.stack.cuda check-driver`` on the controller before any host
-changes), preflight judges every GPU host's real driver and compute capability (ugro/checks/preflight_checks.py),
+changes), preflight judges every GPU host's real driver and compute capability (ugro/checks/preflight_stack.py),
 and `make validate` / `make preflight` say which backend each host runs. docs/stack.md has the sources.
 
 Rules, from NVIDIA's and PyTorch's own documents:
