@@ -2,7 +2,8 @@
 to the controller as one archive.
 
 The module packs the files into a temporary directory on the host, the archive comes back in one transfer, and it
-is unpacked here into ``dest``: one module run a host. A fetch a file runs a module (its checksum) for each file,
+is unpacked here into ``dest`` (or kept as the file ``dest``: a checkpoint's copy, which the controller checks
+before it unpacks it): one module run a host. A fetch a file runs a module (its checksum) for each file,
 about a third of a CPU-second of the host's each, and a round trip each on the LAN.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ansible.errors import AnsibleActionFail
+from ansible.module_utils.parsing.convert_bool import boolean
 from ansible.plugins.action import ActionBase
 
 
@@ -67,10 +69,15 @@ class ActionModule(ActionBase):
             )
             if packed.get("failed") or self._task.check_mode:
                 return result | packed
+            target = Path(os.path.expanduser(str(dest)))
+            if not boolean(args.get("unpack", True)):  # the archive itself, as the file dest
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self._connection.fetch_file(archive, str(target))
+                return result | {"changed": True, "files": packed.get("files", []), "dest": str(target)}
             with tempfile.TemporaryDirectory(prefix="ugro-collect-") as local:
                 brought = Path(local) / "collect.tar"
                 self._connection.fetch_file(archive, str(brought))
-                changed = unpack(brought, Path(os.path.expanduser(str(dest))))
+                changed = unpack(brought, target)
         finally:
             self._remove_tmp_path(remote_tmp)
         return result | {"changed": bool(changed), "files": packed.get("files", []), "updated": changed}

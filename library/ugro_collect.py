@@ -16,6 +16,9 @@ description:
   - The action plugin of the same name runs it into a temporary directory on the host, brings the archive back in
     one transfer, unpacks it into O(dest) on the controller and removes it on both sides. One module run and one
     transfer a host, where a fetch a file takes a module run each.
+  - With O(paths), exactly those files and directories under O(run_dir) instead (a checkpoint and the run's records,
+    which the controller copies while it follows a run); with O(unpack=false) the action plugin keeps the archive
+    as the file O(dest).
   - A file that is missing is left out; a host without the job's run directory gives an empty archive.
 options:
   run_dir:
@@ -36,10 +39,20 @@ options:
     description: A regular expression searched in each file's path under O(run_dir) (C(*.pid) files excepted); the
       files that match are packed under their path relative to O(run_dir). Omitted, no results are packed.
     type: str
+  paths:
+    description: Paths relative to O(run_dir) to pack under their own names, a directory with every file under it;
+      given, O(logs) and O(results) are not used.
+    type: list
+    elements: str
   dest:
-    description: The controller's run directory of the job, where the action plugin unpacks the archive (not used by
-      the module).
+    description: The controller's run directory of the job, where the action plugin unpacks the archive (with
+      O(unpack=false), the file it saves the archive as). Not used by the module.
     type: path
+  unpack:
+    description: Whether the action plugin unpacks the archive into O(dest) or saves it as O(dest). Not used by the
+      module.
+    type: bool
+    default: true
   archive:
     description: Set by the action plugin, not by playbooks. Where on the host to write the archive.
     type: path
@@ -92,6 +105,18 @@ def members(run_dir: Path, host: str, logs: bool, results: str | None) -> dict[s
     return found
 
 
+def listed(run_dir: Path, paths: list[str]) -> dict[str, Path]:
+    """``paths`` under ``run_dir``, each directory as every file under it (missing ones left out)."""
+    found: dict[str, Path] = {}
+    for name in paths:
+        path = run_dir / name
+        if path.is_dir():
+            found |= {p.relative_to(run_dir).as_posix(): p for p in sorted(path.rglob("*")) if p.is_file()}
+        elif path.is_file():
+            found[Path(name).as_posix()] = path
+    return found
+
+
 def pack(archive: Path, files: dict[str, Path]) -> list[str]:
     """The files into an uncompressed tar at ``archive``; the names of those still there when read."""
     packed = []
@@ -116,7 +141,9 @@ def main() -> None:
             "host": {"type": "str", "required": True},
             "logs": {"type": "bool", "default": True},
             "results": {"type": "str"},
+            "paths": {"type": "list", "elements": "str"},
             "dest": {"type": "path"},  # read by the action plugin only
+            "unpack": {"type": "bool", "default": True},  # read by the action plugin only
             "archive": {"type": "path"},  # set by the action plugin
         },
         supports_check_mode=True,
@@ -125,7 +152,11 @@ def main() -> None:
     if not params["archive"]:
         module.fail_json(msg="ugro_collect: run it as a task (its action plugin names the archive), not alone")
     try:
-        files = members(Path(params["run_dir"]), params["host"], params["logs"], params["results"])
+        run_dir = Path(params["run_dir"])
+        if params["paths"] is not None:
+            files = listed(run_dir, params["paths"])
+        else:
+            files = members(run_dir, params["host"], params["logs"], params["results"])
     except re.error as exc:
         module.fail_json(msg=f"ugro_collect: results is not a regular expression ({exc})")
     if module.check_mode:

@@ -93,3 +93,18 @@ def test_an_archive_that_would_write_outside_the_run_directory_is_refused(tmp_pa
     with pytest.raises(AnsibleActionFail, match="outside the run directory"):
         unpack(archive, tmp_path / "dest")
     assert not (tmp_path / "outside.log").exists()
+
+
+def test_a_checkpoint_and_the_runs_records_come_back_as_one_archive_the_controller_checks(tmp_path: Path) -> None:
+    """What the controller copies while it follows a run (roles/train_job/tasks/checkpoint_fetch.yml)."""
+    run, dest = _host_run(tmp_path / "host"), tmp_path / "controller" / "checkpoints" / ".incoming.tar"
+    paths = ["checkpoints/step-000002", "metrics.jsonl", "eval.jsonl", "run.json"]  # no eval.jsonl: left out
+    args = {"run_dir": str(run), "host": HOST, "paths": paths, "dest": str(dest), "unpack": False}
+    result = run_module("ugro_collect", args)
+    assert not result["failed"] and result["changed"], result.get("msg")
+    with tarfile.open(dest) as tar:
+        assert sorted(tar.getnames()) == [
+            "checkpoints/step-000002/manifest.json", "checkpoints/step-000002/state.pt", "metrics.jsonl", "run.json"
+        ]  # fmt: skip
+        state = tar.extractfile("checkpoints/step-000002/state.pt")
+        assert state is not None and state.read() == b"state"
