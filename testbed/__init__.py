@@ -1,6 +1,7 @@
 """The test cluster on one machine, for the tests, Molecule and `make testbed-up` (never installed, never synced).
 
-- ``testbed.cluster``: hosts tb1..tbN (network namespaces, bubblewrap, sshd): ``python -m testbed up|down``;
+- ``testbed.cluster``: hosts tb1..tbN (network namespaces, bubblewrap, sshd): ``python -m testbed up|down``, with
+  ``testbed.procs`` (their processes: still running, stopped) and ``testbed.inventory`` (their inventory);
 - ``testbed.rootfs``: the cached Debian roots of the rootfs hosts: ``python -m testbed.rootfs build [12] [13]``;
 - ``testbed.aptrepo``: the dummy NVIDIA apt repository: ``python -m testbed.aptrepo build DIR``;
 - ``testbed.net``: a free TCP port, for the tests and the benchmarks;

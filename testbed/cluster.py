@@ -51,14 +51,11 @@ from typing import Any, ParamSpec
 
 import yaml
 
-from testbed import aptrepo
+from testbed import aptrepo, inventory, procs
 from testbed import rootfs as roots  # not `rootfs`: up() has a flag of that name
 
 REPO = Path(__file__).resolve().parent.parent
 
-
-# Not resolved: the venv's python is a symlink, and only the venv path gives the venv's packages.
-VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 
 DEFAULT_DIR = ".testbed"
 DEFAULT_SUBNET = "10.213.7.0/24"
@@ -72,7 +69,6 @@ SSH_PORT = 22
 STATE_FILE = "state.json"
 PACKAGES = ("iproute2", "bubblewrap", "openssh-server", "openssh-client")
 TOOLS = {"ip": "iproute2", "bwrap": "bubblewrap", "sshd": "openssh-server", "ssh-keygen": "openssh-client"}
-SSH_OPTS = "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"
 # A clean environment for the sandboxes: nothing of the caller's (venv, proxies, tokens) leaks in.
 SANDBOX_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
@@ -172,111 +168,12 @@ def _write_state(state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent pid, start time in clock ticks) of a live process, or None."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = data.rsplit(")", 1)[1].split()
-    return fields[0], int(fields[1]), int(fields[19])
-
-
-def _is_ours(proc: dict[str, Any]) -> bool:
-    """Whether the recorded process still runs: same pid and same start time (pids get reused)."""
-    stat = _proc_stat(int(proc["pid"]))
-    if stat is None:
-        return False
-    state, _, start = stat
-    if state in ("Z", "X"):
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(int(proc["pid"]), os.WNOHANG)  # reap it if it is our own child
-        return False
-    return start == int(proc["starttime"])
-
-
 def _record_process(state: dict[str, Any], pid: int, role: str, host: str) -> None:
-    stat = _proc_stat(pid)
+    stat = procs.proc_stat(pid)
     if stat is None:
         return  # it has gone already; nothing to stop later
     state["processes"].append({"pid": pid, "starttime": stat[2], "role": role, "host": host})
     _write_state(state)
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            stat = _proc_stat(int(entry.name))
-            if stat is not None and stat[1] == pid:
-                kids.append(int(entry.name))
-    return kids
-
-
-def _pid_namespace(pid: int) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/pid")
-    except OSError:
-        return None
-
-
-def _namespace_members(init: dict[str, Any]) -> list[int]:
-    """Every process in the PID namespace of a host's init: all of them were started inside the host."""
-    if not _is_ours(init):
-        return []
-    ns = _pid_namespace(int(init["pid"]))
-    if ns is None or ns == _pid_namespace(os.getpid()):
-        return []  # never our own namespace
-    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and _pid_namespace(int(e.name)) == ns]
-
-
-def _signal(pids: Sequence[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def _wait_gone(procs: Sequence[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
-    alive = [p for p in procs if _is_ours(p)]
-    deadline = time.monotonic() + timeout_s
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.03)
-        alive = [p for p in alive if _is_ours(p)]
-    return alive
-
-
-def _stop_processes(procs: Sequence[dict[str, Any]], grace_s: float = 2.0) -> list[dict[str, Any]]:
-    """Stop the recorded processes and whatever runs inside the hosts; returns any still alive.
-
-    Every process inside a host's PID namespace gets SIGTERM (sshd, its sessions, whatever a test
-    started there) and `grace_s` to exit; then SIGKILL to the host's init ends the namespace, and
-    with it anything left in it. The bwrap processes outside exit with their init; any recorded
-    process still alive after that gets SIGKILL. Recorded pids are checked against their recorded
-    start time first, so a reused pid is never signalled.
-    """
-    inits = [p for p in procs if p.get("role") == "init"]
-    # An up that failed between starting bwrap and reading its info left the init unrecorded:
-    # it is the bwrap's child in a PID namespace other than ours.
-    known = {int(p["pid"]) for p in inits}
-    for proc in procs:
-        if proc.get("role") == "bwrap" and _is_ours(proc):
-            for kid in _children(int(proc["pid"])):
-                stat = _proc_stat(kid)
-                if kid not in known and stat and _pid_namespace(kid) not in (None, _pid_namespace(os.getpid())):
-                    inits.append({"pid": kid, "starttime": stat[2], "role": "init", "host": proc.get("host")})
-    members = sorted({pid for init in inits for pid in _namespace_members(init)})
-    _signal(members, signal.SIGTERM)
-    services = ("sshd", "apt-proxy", "apt-repo")
-    _signal([int(p["pid"]) for p in procs if p.get("role") in services and _is_ours(p)], signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(set(_namespace_members(i)) - {int(i["pid"])} for i in inits):
-        time.sleep(0.03)
-    _signal([int(p["pid"]) for p in inits if _is_ours(p)], signal.SIGKILL)
-    alive = _wait_gone(procs, 2.0)
-    if alive:
-        _signal([int(p["pid"]) for p in alive], signal.SIGKILL)
-        alive = _wait_gone(alive, 2.0)
-    return alive
 
 
 def _link_exists(name: str) -> bool:
@@ -337,7 +234,7 @@ def _is_dead(state: dict[str, Any]) -> bool:
 
     One still being brought up (incomplete, written in the last minutes) is never dead.
     """
-    if any(_is_ours(proc) for proc in state.get("processes", [])):
+    if any(procs.is_ours(proc) for proc in state.get("processes", [])):
         return False
     age_s = time.time() - (Path(state["dir"]) / STATE_FILE).stat().st_mtime
     return bool(state.get("complete")) or age_s > 600
@@ -508,7 +405,7 @@ def _venv_base_binds() -> list[str]:
     `.venv/bin/python` is a symlink to the Python it was made from; from pyenv that lives under
     /root/.pyenv, which each host's own /root would otherwise hide ("interpreter not found").
     """
-    cfg = VENV_PYTHON.parent.parent / "pyvenv.cfg"
+    cfg = inventory.VENV_PYTHON.parent.parent / "pyvenv.cfg"
     if not cfg.is_file():
         return []
     home = next((line.split("=", 1)[1].strip() for line in cfg.read_text().splitlines()
@@ -588,7 +485,7 @@ def _wait_for_sshd(state: dict[str, Any], popens: dict[str, subprocess.Popen[byt
                 tail = log.read_text()[-1500:] if log.exists() else ""
                 raise TestbedError(f"host {name}: bwrap/sshd exited with {popens[name].returncode}:\n{tail}")
             for service in state.get("services", []):
-                if not _is_ours(service):
+                if not procs.is_ours(service):
                     raise TestbedError(f"{service['role']} exited; see {service['log']}")
             if _banner(host["address"]):
                 del pending[name]
@@ -610,98 +507,6 @@ def _control_path_dir(directory: Path, suffix: str) -> str:
     return str(inside) if len(str(inside)) <= 48 else f"/tmp/ugro-testbed-cp-{suffix}"
 
 
-def _write_rootfs_inventory(state: dict[str, Any]) -> None:
-    """Hosts of their own Debian: Ansible uses their Python, and nothing of this machine's is theirs."""
-    directory = Path(state["dir"])
-    hosts = {
-        h["name"]: {
-            "ansible_host": h["address"],
-            "ansible_user": "root",
-            "ansible_ssh_private_key_file": str(directory / "id_ed25519"),
-            "ansible_ssh_common_args": SSH_OPTS,
-            "ansible_control_path_dir": state["control_path_dir"],
-            "ansible_python_interpreter": "/usr/bin/python3",
-            "ugro_cluster_address": h["address"],
-            "testbed_interface": h["interface"],
-            "testbed_namespace": h["namespace"],
-            "testbed_debian": h.get("debian", "12"),
-        }
-        for h in state["hosts"]
-    }
-    repo = state.get("apt_repo", {})
-    group_vars = {
-        "testbed_bridge_address": state["bridge_address"],
-        "testbed_subnet": state["subnet"],
-        "testbed_outside_address": state["outside_address"],
-        "testbed_apt_proxy": state["apt_proxy"],
-        "testbed_apt_repo_url": repo.get("url", ""),
-        "testbed_apt_repo_keyring_url": repo.get("keyring_url", ""),
-        "testbed_apt_repo": repo,
-        "testbed_non_members": _non_member_vars(state),
-    }
-    inventory = {"all": {"vars": group_vars, "children": {"ugro_cluster": {"hosts": hosts}}}}
-    header = (
-        "# Written by testbed/cluster.py: test hosts with their own Debian root filesystem\n"
-        "# (network namespaces + bubblewrap + overlay + sshd), packages through the apt proxy.\n"
-    )
-    (directory / "inventory.yml").write_text(header + "---\n" + yaml.safe_dump(inventory, sort_keys=False))
-    (directory / "ssh_config").write_text("\n".join(
-        f"Host {h['name']}\n  HostName {h['address']}\n  User root\n  IdentityFile {directory / 'id_ed25519'}\n"
-        "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
-        for h in state["hosts"]
-    ))  # fmt: skip
-
-
-def _non_member_vars(state: dict[str, Any]) -> list[dict[str, str]]:
-    return [{k: h[k] for k in ("name", "address", "namespace")} for h in state.get("non_members", [])]
-
-
-def _write_inventory(state: dict[str, Any]) -> None:
-    directory = Path(state["dir"])
-    key = str(directory / "id_ed25519")
-    if state.get("rootfs"):
-        _write_rootfs_inventory(state)
-        return
-    hosts = {
-        h["name"]: {
-            "ansible_host": h["address"],
-            "ansible_user": "root",
-            "ansible_ssh_private_key_file": key,
-            "ansible_ssh_common_args": SSH_OPTS,
-            "ansible_control_path_dir": state["control_path_dir"],
-            "ansible_python_interpreter": str(VENV_PYTHON),
-            "ugro_cluster_address": h["address"],
-            "ugro_code_dir": "/opt/ugro",
-            "ugro_python": str(VENV_PYTHON),
-            "testbed_interface": h["interface"],
-            "testbed_namespace": h["namespace"],
-        }
-        for h in state["hosts"]
-    }
-    inventory: dict[str, Any] = {"all": {"children": {"ugro_cluster": {"hosts": hosts}}}}
-    if state.get("non_members"):
-        inventory["all"]["vars"] = {"testbed_non_members": _non_member_vars(state)}
-    header = (
-        "# Written by testbed/cluster.py: the testbed hosts (network namespaces + bubblewrap + sshd).\n"
-        "# The cluster defaults come from the playbooks' role ugro (roles/ugro/defaults/main.yml).\n"
-    )
-    (directory / "inventory.yml").write_text(header + "---\n" + yaml.safe_dump(inventory, sort_keys=False))
-
-    blocks = [
-        f"Host {h['name']}\n"
-        f"  HostName {h['address']}\n"
-        "  User root\n"
-        f"  IdentityFile {key}\n"
-        "  IdentitiesOnly yes\n"
-        "  StrictHostKeyChecking no\n"
-        "  UserKnownHostsFile /dev/null\n"
-        "  LogLevel ERROR\n"
-        "  ControlMaster no\n"
-        for h in state["hosts"]
-    ]
-    (directory / "ssh_config").write_text("\n".join(blocks))
-
-
 # --------------------------------------------------------------------------------------------------
 # Hosts with a root filesystem of their own (--rootfs), and the services they get packages from.
 
@@ -718,7 +523,7 @@ def _wait_listening(address: str, port: int, service: dict[str, Any], timeout_s:
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection((address, port), timeout=0.5):
             return
-        if not _is_ours(service):
+        if not procs.is_ours(service):
             break
         time.sleep(0.05)
     log = Path(service["log"])
@@ -1007,10 +812,10 @@ def _bring_up(state: dict[str, Any], timeout_s: float) -> None:
 
     _wait_for_sshd(state, popens, timeout_s)
     for host in state["hosts"]:
-        for pid in _children(inits[host["name"]]):
+        for pid in procs.children(inits[host["name"]]):
             _record_process(state, pid, "sshd", host["name"])
 
-    _write_inventory(state)
+    inventory.write(state)
     state["complete"] = True
     _write_state(state)
 
@@ -1040,7 +845,7 @@ def down(directory: str | Path = DEFAULT_DIR) -> bool:
         return False
     problems: list[str] = []
 
-    left = _stop_processes(state.get("processes", []))
+    left = procs.stop_processes(state.get("processes", []))
     problems += [f"process {p['pid']} ({p['role']} of {p['host']}) survived SIGKILL" for p in left]
     if state.get("rootfs") and not left:
         with contextlib.suppress(OSError, shutil.Error):  # only a cache: losing it costs a download
@@ -1092,7 +897,7 @@ def _members(directory: str | Path, host: str) -> list[int]:
     if state is None:
         raise TestbedError(f"no testbed in {directory}")
     inits = [p for p in state["processes"] if p.get("role") == "init" and p.get("host") == host]
-    return [pid for init in inits for pid in _namespace_members(init)]
+    return [pid for init in inits for pid in procs.namespace_members(init)]
 
 
 def _read_proc(pid: int, name: str) -> str | None:
@@ -1116,7 +921,7 @@ def host_ranks(directory: str | Path, host: str) -> list[int]:
 def kill_ranks(directory: str | Path, host: str) -> list[int]:
     """SIGKILL every rank inside ``host`` (a crashed rank, the launcher on that host left running)."""
     pids = host_ranks(directory, host)
-    _signal(pids, signal.SIGKILL)
+    procs.send(pids, signal.SIGKILL)
     return pids
 
 
@@ -1133,7 +938,7 @@ def one_rank_per_host(bed: Testbed, path: Path) -> Path:
 def kill_processes(directory: str | Path, host: str, marker: str) -> list[int]:
     """SIGKILL every process inside ``host`` whose command line has ``marker`` (a host crash, as the job sees it)."""
     pids = host_processes(directory, host, marker)
-    _signal(pids, signal.SIGKILL)
+    procs.send(pids, signal.SIGKILL)
     return pids
 
 
