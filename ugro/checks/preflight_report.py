@@ -80,7 +80,6 @@ def same_everywhere(
     top = max(counts.values(), default=0)
     majority = [v for v, n in counts.items() if n == top]
     reference = values.get(rendezvous) if values.get(rendezvous) in majority else majority[0] if majority else None
-    others = {v for v in values.values()}
     for host, value in values.items():
         if value == reference:
             shown = value if value is not None else "not installed"
@@ -96,5 +95,4 @@ def same_everywhere(
             f"{name} {value or 'not installed'} on {host}, {reference or 'not installed'} on {where}",
             fix.format(ref=reference, host=host),
         )
-    del others
     return check
