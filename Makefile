@@ -205,7 +205,7 @@ bench-4bit: venv
 	$(PY) -m bench.quantization $(BENCH_ARGS)
 
 # The loss of a Qwen2.5-sized head (vocabulary 151,936, seq 1024, micro-batch 4, fp32) from its full logits against
-# the loss from hidden states (train/headloss.py), each path in its own process: peak memory, time, differences.
+# the loss from hidden states (train/model/headloss.py), each path in its own process: peak memory, time, differences.
 # BENCH_ARGS="--head lora" for LoRA (r 16) on the head; the last line printed is a JSON object.
 bench-headloss: venv
 	$(PY) -m bench.headloss $(BENCH_ARGS)

@@ -3,7 +3,7 @@
 Part 1 runs the real trainer (the hosts' launcher, train/launcher.py: torchrun with its ranks forked from one
 process; gloo, the default tiny model and data) as 3 ranks on this
 machine that emulate devices of speed 1.0 / 0.6 / 0.5. The benchmark-only job section
-``benchmark`` gives every rank a device time per token (train/step.py ``StepClock``): a rank
+``benchmark`` gives every rank a device time per token (train/balance/step.py ``StepClock``): a rank
 computes each micro-batch for real, then sleeps until the micro-batch has taken its tokens x
 ``seconds_per_token / f``. ``seconds_per_token`` (the speed-1.0 device) is this machine's time per
 token, measured once by the bare loop at the start, divided by ``--scale``, so the real compute
@@ -45,9 +45,9 @@ from rich.table import Table
 
 from testbed.net import free_port
 from train.config import load_job
-from train.data import model_inputs, prepare
+from train.data.blocks import model_inputs, prepare
 from train.metrics import read_metrics
-from train.model import load_model
+from train.model.load import load_model
 
 REPO = Path(__file__).resolve().parent.parent
 console = Console()

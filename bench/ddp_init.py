@@ -2,7 +2,7 @@
 
 Plain ``DistributedDataParallel(model)`` broadcasts every parameter and buffer from rank 0 when it
 is built, the frozen base included, although every rank loaded the same base from disk. ugro's
-``train.distributed.wrap`` builds DDP with ``init_sync=False`` and broadcasts only the trainable
+``train.dist.distributed.wrap`` builds DDP with ``init_sync=False`` and broadcasts only the trainable
 (LoRA) parameters, once. This command brings up the 3-host test cluster (network namespaces, real
 SSH, gloo over veth; needs root), builds the same seeded random Llama + LoRA on every host, and
 times both constructions. The bytes are measured, not computed: each host reads its cluster
@@ -37,7 +37,7 @@ from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel
 
 from testbed import cluster as testbed_cluster
-from train import distributed
+from train.dist import distributed
 
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.11.0/24"  # its own subnet: runs beside `make test` and `make testbed-up`

@@ -5,13 +5,13 @@
 - ``bare``: a hand-written LoRA loop (transformers + peft, or unsloth's FastLanguageModel), random token rows with
   every position a label, ``model(input_ids, labels=...)``'s own loss, AdamW, gradient clipping; positions/s from
   the median step after three warm-up steps, peak ``torch.cuda.max_memory_allocated`` after loading;
-- ``bare+ours`` (speed cells): the same loop with the trainer's loss (``train.step.summed_loss``: from the hidden
-  states, in chunks), which tells the loss's cost from the rest of the trainer's;
+- ``bare+ours`` (speed cells): the same loop with the trainer's loss (``train.balance.step.summed_loss``: from the
+  hidden states, in chunks), which tells the loss's cost from the rest of the trainer's;
 - ``trainer``: speed cells run the trainer's worker under torchrun (one rank, NCCL) on full rows of text, the
   same positions a step; memory cells run the preflight's memory probe (train/tools/memprobe.py, the trainer's
   own step), which also prints the stage planner's estimate for the backend it loaded.
 
-``packing`` checks on CUDA that examples packed into one row see only themselves (train/data.py): the loss of
+``packing`` checks on CUDA that examples packed into one row see only themselves (train/data/blocks.py): the loss of
 each example packed with others against alone, and, as the control, with the row's positions dropped (one causal
 mask over the row), for transformers' SDPA in fp32 and for unsloth in bf16.
 """
@@ -104,7 +104,7 @@ def bare(cell: Cell, model_dir: str, ours: bool) -> dict[str, Any]:
     """The bare loop in this process (``ours``: with the trainer's summed loss); one result record."""
     import torch
 
-    from train.step import summed_loss
+    from train.balance.step import summed_loss
 
     started = time.perf_counter()
     model = _load(model_dir, cell.backend, cell.quant, cell.seq, cell.ckpt)
@@ -152,7 +152,7 @@ def text_rows(path: Path, tokenizer_dir: Path, seq: int, documents: int, rows_ea
     single = [t for t, i in tokenizer.get_vocab().items()
               if t[:1] in starts and t[1:].isalpha() and len(t) > 3 and i > 300]  # fmt: skip
     chooser = random.Random(0)
-    want = rows_each * seq - 1 - (tokenizer.bos_token_id is not None)  # train/data.py adds EOS, and BOS if any
+    want = rows_each * seq - 1 - (tokenizer.bos_token_id is not None)  # train/data/blocks.py adds EOS, and BOS if any
     with path.open("w") as fh:
         for _ in range(documents):
             words = [w[1:] for w in chooser.choices(single, k=want)]
@@ -272,7 +272,7 @@ def _probe(cell: Cell, model_dir: Path, work: Path, mark: str) -> dict[str, Any]
               "peak_gib": round(peak / gib, 2) if peak else None,
               "estimate_gib": round(estimate / gib, 2) if estimate else None}  # fmt: skip
     if peak and estimate:  # the estimate counts the CUDA context, which max_memory_allocated does not
-        from train.stageplan import CUDA_OVERHEAD_GIB
+        from train.layout.stageplan import CUDA_OVERHEAD_GIB
 
         result["estimate_less_context_over_peak"] = round((estimate / gib - CUDA_OVERHEAD_GIB) / (peak / gib), 3)
     return result
@@ -289,10 +289,10 @@ def packing(out: Path, emit: Any, materialize: Any) -> None:
 def _packing_check(cell: Cell, model_dir: str) -> dict[str, Any]:
     import torch
 
+    from train.balance.step import summed_loss
     from train.config import DataConfig
-    from train.data import IGNORE, build_blocks
-    from train.model import pack_by_lengths
-    from train.step import summed_loss
+    from train.data.blocks import IGNORE, build_blocks
+    from train.model.load import pack_by_lengths
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")  # CPU: a dry run
     model: Any
@@ -336,7 +336,9 @@ def _packing_check(cell: Cell, model_dir: str) -> dict[str, Any]:
                 row["positions_only_rel_diff"] = (
                     abs(float(summed_loss(model, only(packed, 0, at, size))) - apart) / apart
                 )
-                pack_by_lengths(model)  # as the trainer calls it (train/model.py): the row joined, with the lengths
+                pack_by_lengths(
+                    model
+                )  # as the trainer calls it (train/model/load.py): the row joined, with the lengths
             row["packed_rel_diff"] = abs(float(summed_loss(model, only(packed, 0, at, size))) - apart) / apart
             found.append(row)
     return {"examples": found}

@@ -1,13 +1,13 @@
 """`python -m bench.gpu_stepclock [--steps 20]`: on a CUDA machine, does the step clock report the GPU's compute time?
 
-A rank's compute time (train/step.py ``StepClock``) feeds the balancer. On CUDA kernels run asynchronously, so host
-timestamps only say when the work was queued; the clock records CUDA events instead (``StepClock.for_device``) and
+A rank's compute time (train/balance/step.py ``StepClock``) feeds the balancer. On CUDA kernels run asynchronously, so
+host timestamps only say when the work was queued; the clock records CUDA events instead (``StepClock.for_device``) and
 reads them at the next step. This runs a small model (an MLP stack between an embedding and a vocabulary head, torch
-only) through the trainer's own ``train.step.backward`` for ``--steps`` steps of ``--micro-batches`` micro-batches,
-twice: ``ddp`` (one-rank NCCL DDP with the trainer's communication hook, so the last lap comes from autograd's thread,
-as in training) and ``plain`` (every lap from the main thread). Per step it prints the clock's device compute time,
-the host-lap compute time (the clock's host timestamps) and the wall step time (synchronized before and after),
-with their ratios; the last line is a JSON summary (medians, the first step of each mode left out as warm-up).
+only) through the trainer's own ``train.balance.step.backward`` for ``--steps`` steps of ``--micro-batches``
+micro-batches, twice: ``ddp`` (one-rank NCCL DDP with the trainer's communication hook, so the last lap comes from
+autograd's thread, as in training) and ``plain`` (every lap from the main thread). Per step it prints the clock's device
+compute time, the host-lap compute time (the clock's host timestamps) and the wall step time (synchronized before and
+after), with their ratios; the last line is a JSON summary (medians, the first step of each mode left out as warm-up).
 Expected: device/wall near 1 (the rest is the step's own host sync and bookkeeping), host/wall below it.
 """
 
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from train.distributed import _HookState, _timed_allreduce
-from train.step import StepClock, backward
+from train.balance.step import StepClock, backward
+from train.dist.distributed import _HookState, _timed_allreduce
 
 
 class Stack(nn.Module):

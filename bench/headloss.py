@@ -1,9 +1,9 @@
-"""`make bench-headloss`: the loss from the full logits against the loss from hidden states (train/headloss.py).
+"""`make bench-headloss`: the loss from the full logits against the loss from hidden states (train/model/headloss.py).
 
 One head the size of Qwen2.5-0.5B's (151,936-token vocabulary, hidden 896), fp32, at seq 1,024 and micro-batch 4,
 every position labelled (the new path skips unlabelled ones, which this leaves out of the comparison). Loss and
-backward run once per rep, by the old path (the head's full logits, ``train/step.py`` ``logits_loss``: upcast,
-shift, cross-entropy summed) and by the new one (``train/headloss.py`` ``summed_loss``), each in a fresh
+backward run once per rep, by the old path (the head's full logits, ``train/balance/step.py`` ``logits_loss``: upcast,
+shift, cross-entropy summed) and by the new one (``train/model/headloss.py`` ``summed_loss``), each in a fresh
 subprocess so their memory peaks do not mix. The head (``--head``): ``frozen`` (the default job's: LoRA on the
 decoder only, the gradient goes to the hidden states), ``lora`` (peft's LoRA, r 16, on the frozen head, as when a
 job lists ``lm_head``) or ``trained`` (the head's weight gets a gradient too; no ugro job does that).
@@ -35,8 +35,8 @@ from typing import Any, cast
 
 import torch
 
-from train import headloss
-from train.step import logits_loss
+from train.balance.step import logits_loss
+from train.model import headloss
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,6 @@
 """`make bench-pipeline`: pipeline stages on emulated unequal devices, the planner's layer split against an equal one.
 
-Runs the real trainer (torchrun, gloo, 1F1B stages: train/pipeline.py) as 3 ranks on this machine forming one
+Runs the real trainer (torchrun, gloo, 1F1B stages: train/layout/pipeline.py) as 3 ranks on this machine forming one
 3-stage pipeline, each rank emulating a device of speed 1.0 / 0.6 / 0.5 the way `make bench` does
 (bench/bench.py): the job's benchmark-only section ``benchmark: {emulate_speed, seconds_per_token}`` makes a
 stage's micro-batch last its tokens x ``seconds_per_token / f`` x (the stage's layers, + the head's work on the last
@@ -13,7 +13,7 @@ The model is the tiny test Llama (models/tiny-llama, random init, its tokenizer)
 (12 by default: its 4 layers cannot be cut unevenly in any useful way); its config.json is written into the
 output directory. Measured, tokens/s over the steps after ``--skip``:
 
-* planned -- the layer counts ``train.stageplan.plan`` chooses for 3 stages when it is given three members of
+* planned -- the layer counts ``train.layout.stageplan.plan`` chooses for 3 stages when it is given three members of
              these speeds (hosts dev0, dev1, ...; memory 16 GiB each, so memory does not bind). On one machine every
              rank has the same host and the ranks look alike to the planner, so the benchmark plans here and runs
              the result as ``parallel: {stages: [a, b, c]}``; identical ranks take the stages in rank order, so
@@ -57,9 +57,9 @@ from rich.table import Table
 
 from bench.bench import REPO, Setup, _env, _fail, _job, _rate
 from testbed.net import free_port
-from train import stageplan
 from train.config import load_job
-from train.topology import Layout
+from train.layout import stageplan
+from train.layout.topology import Layout
 
 TINY = REPO / "models" / "tiny-llama"
 console = Console(width=150)
@@ -117,14 +117,15 @@ def planned_split(setup: Setup, model: Path, speeds: tuple[float, ...], out: Pat
 
 
 def micro_batches(setup: Setup, stages: int) -> int:
-    """Micro-batches a step of one pipeline (train/balance.py: the rank's cap, at most the share over the stages)."""
+    """Micro-batches a step of one pipeline (train/balance/batchplan.py: the rank's cap, at most the share over the
+    stages)."""
     micro = min(setup.micro_batch, max(1, setup.global_batch // stages))
     return math.ceil(setup.global_batch / micro)
 
 
 def busy_s(setup: Setup, counts: list[int], speeds: list[float], head: float) -> list[float]:
     """Every stage's emulated device time in one step: its layers, and on the last stage the head (``head``
-    layers' worth of work, as the planner and the emulation count it: train/balance.py)."""
+    layers' worth of work, as the planner and the emulation count it: train/balance/batchplan.py)."""
     work = setup.tokens_per_step * setup.seconds_per_token / (sum(counts) + head)  # one layer's, speed 1.0
     last = len(counts) - 1
     return [work * (n + (head if i == last else 0.0)) / f for i, (n, f) in enumerate(zip(counts, speeds, strict=True))]

@@ -32,8 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 from testbed import cluster as testbed_cluster
-from train import stageplan
 from train.config import JobConfig
+from train.layout import stageplan
 from train.metrics import read_metrics
 from ugro.model import basemodel
 

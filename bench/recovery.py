@@ -9,11 +9,11 @@ run their node exporters, installed by the provisioning playbook as `make provis
 the job's state from them (``--no-exporters``: without them, every poll goes through Ansible). With
 ``--controller gone`` the controller is detached (Ctrl-C: SIGINT to its process group) long enough before tb2's kill
 that the hosts no longer count it as following, and with ``--controller died`` its process group is SIGKILLed just
-before (a laptop that lost power): the survivors then decide themselves (train/consensus.py), and ``ugro follow``,
-started after tb2's regroup, takes the run up and handles the cut. With ``--fault rank`` only tb2's rank is SIGKILLed
-(a crashed rank on a host that stays up: the OOM killer, a driver error): tb1 and tb3 go on without it, tb2's launcher
-starts its rank again and the group takes it back in (train/rejoin.py), and one more figure says when the first
-step with tb2 back in ended. Step
+before (a laptop that lost power): the survivors then decide themselves (train/recovery/consensus.py), and ``ugro
+follow``, started after tb2's regroup, takes the run up and handles the cut. With ``--fault rank`` only tb2's rank is
+SIGKILLed (a crashed rank on a host that stays up: the OOM killer, a driver error): tb1 and tb3 go on without it, tb2's
+launcher starts its rank again and the group takes it back in (train/recovery/rejoin.py), and one more figure says when
+the first step with tb2 back in ended. Step
 times come from the ranks' own metrics.jsonl (wall clock of this machine, which all test hosts share); where
 the time went comes from the run's restart record. The last line is one JSON object with the figures, the CPU
 seconds the whole machine spent from the launch to the first step (``launch_cpu_s``: controller, Ansible, the three
@@ -42,7 +42,7 @@ from rich.table import Table
 from bench.cluster_job import tiny_job
 from testbed import cluster as testbed_cluster
 from testbed import exporters as testbed_exporters
-from train.consensus import FOLLOW_GRACE_S
+from train.recovery.consensus import FOLLOW_GRACE_S
 
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.9.0/24"  # its own: `make test` and `make testbed-up` use others
@@ -80,7 +80,9 @@ def _end_controller(proc: subprocess.Popen[str], how: str, poll_s: float) -> Non
     out) or SIGKILL its whole process group (``died``)."""
     os.killpg(proc.pid, signal.SIGINT if how == "gone" else signal.SIGKILL)
     proc.communicate(timeout=120)
-    if how == "gone":  # train/consensus.py controller_follows: three polls and FOLLOW_GRACE_S since the last ask
+    if (
+        how == "gone"
+    ):  # train/recovery/consensus.py controller_follows: three polls and FOLLOW_GRACE_S since the last ask
         time.sleep(3 * poll_s + FOLLOW_GRACE_S + 1)
 
 

@@ -94,7 +94,7 @@ def _runs_in_a_temporary_directory(tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="session", autouse=True)
 def _ranks_fail_where_nccl_would() -> Iterator[None]:
     """Every rank a test starts on this machine (spawned, torchrun, `make train` on localhost) runs under the device
-    checker (train/devicecheck.py): a collective given a tensor NCCL would not carry fails the test."""
+    checker (train/dist/devicecheck.py): a collective given a tensor NCCL would not carry fails the test."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("UGRO_CHECK_DEVICES", os.environ.get("UGRO_CHECK_DEVICES", "1"))  # =0 to run without it
         yield

@@ -15,9 +15,9 @@ import torch
 import yaml
 from helpers import PYTHON, REPO, Run, run_env, small_job, write_job
 
-from train import distributed
 from train.config import ConfigError, JobConfig, load_job
-from train.distributed import RankInfo
+from train.dist import distributed
+from train.dist.distributed import RankInfo
 from train.metrics import read_metrics
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from bench.bench import Setup
 from bench.pipeline import _model, best_split, busy_s, micro_batches, model_rate, planned_split
-from train.stageplan import ModelShape
+from train.layout.stageplan import ModelShape
 
 SPEEDS = (1.0, 0.6, 0.5)
 SETUP = Setup(SPEEDS, 0.3, 1e-3, steps=12, skip=3, global_batch=48, micro_batch=4, seq_len=64)

@@ -12,10 +12,10 @@ import pytest
 import yaml
 from helpers import small_job
 
+from train.balance.planner import make_plan
 from train.config import JobConfig
+from train.layout.topology import Layout, Replica, Stage
 from train.metrics import rank_figures, write_rank_status, write_status
-from train.planner import make_plan
-from train.topology import Layout, Replica, Stage
 from ugro.model.card import render_card
 from ugro.run.records import Cause, Restart
 

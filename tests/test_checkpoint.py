@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import REPO, small_job
 
-from train import checkpoint
 from train.config import JobConfig
-from train.model import load_model
+from train.model.load import load_model
+from train.recovery import checkpoint
 from train.schedule import warmup_cosine
 from ugro.module_utils import ugro_checkpoints
 

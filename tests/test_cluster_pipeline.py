@@ -24,8 +24,8 @@ import yaml
 from helpers import REPO, cli, cluster_job, remove_runs, run_env, runs_dir
 
 from testbed import cluster as testbed_cluster
-from train import stageplan
 from train.config import load_job
+from train.layout import stageplan
 from train.metrics import read_metrics
 
 PROFILE = "/opt/ugro-profile-pipeline.yaml"  # on each test host (its own /opt)

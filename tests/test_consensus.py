@@ -1,4 +1,4 @@
-"""Survivors decide who is left when no controller follows the run (train/consensus.py).
+"""Survivors decide who is left when no controller follows the run (train/recovery/consensus.py).
 
 Real sockets on loopback (as tests/test_heartbeat.py: a TCPStore answers, a closed port refuses, a listener with a
 full queue drops the connect as a cut link does), a real TCPStore for the agreement, and the status code a
@@ -19,9 +19,9 @@ import pytest
 import torch.distributed as dist
 from helpers import closed_port, unanswering_port
 
-from train import consensus, regroup
-from train.consensus import View
-from train.regroup import Membership
+from train.recovery import consensus, regroup
+from train.recovery.consensus import View
+from train.recovery.regroup import Membership
 from ugro.module_utils import ugro_exporter, ugro_jobstate
 
 

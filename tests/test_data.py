@@ -9,9 +9,9 @@ import torch
 from helpers import REPO
 
 from train.config import ConfigError, DataConfig, ModelConfig
-from train.data import IGNORE, build_blocks, model_inputs, pack, prepare, tokenize
-from train.model import load_tokenizer
-from train.records import Record, load_records, read_checked
+from train.data.blocks import IGNORE, build_blocks, model_inputs, pack, prepare, tokenize
+from train.data.records import Record, load_records, read_checked
+from train.model.load import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_packing_puts_whole_examples_in_rows_each_with_its_own_positions() -> No
     assert blocks.attention_mask.tolist() == [[1] * 8, [1] * 5 + [0] * 3]
     assert blocks.position_ids is not None
     assert blocks.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 4, 0, 1, 2]]
-    # The model gets the positions, not a mask: where they start again, an example begins (train/data.py).
+    # The model gets the positions, not a mask: where they start again, an example begins (train/data/blocks.py).
     inputs = model_inputs(blocks.batch([0, 1], torch.device("cpu")))
     assert set(inputs) == {"input_ids", "position_ids", "use_cache"} and inputs["use_cache"] is False
 

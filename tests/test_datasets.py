@@ -13,10 +13,10 @@ import yaml
 from helpers import REPO, cli, small_job
 
 from train.config import ConfigError, DataConfig, ModelConfig, load_job
-from train.data import tokenize
+from train.data.blocks import tokenize
+from train.data.records import Record, training_data, weighted
 from train.metrics import read_metrics
-from train.model import load_tokenizer
-from train.records import Record, training_data, weighted
+from train.model.load import load_tokenizer
 from ugro.model.card import render_card
 
 SAMPLE = [json.loads(line) for line in (REPO / "data" / "sample" / "train.jsonl").read_text().splitlines()]

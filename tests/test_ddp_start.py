@@ -1,4 +1,4 @@
-"""DDP start-up (train/distributed.py ``wrap``): every rank starts from rank 0's trainable weights, the frozen
+"""DDP start-up (train/dist/distributed.py ``wrap``): every rank starts from rank 0's trainable weights, the frozen
 base is never broadcast, gradients are still averaged, and ranks whose trainable parameters differ in layout
 fail on every rank with one message naming the host; a DDP whose synchronization is off stops the first step."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from train import distributed
 from train.config import ConfigError
+from train.dist import distributed
 
 WORLD = 2
 

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from helpers import REPO
 
-from train import comm, devicecheck, distributed, regroup
+from train.dist import comm, devicecheck, distributed
+from train.recovery import regroup
 
 
 def _refused(call: Callable[[], object]) -> str:
@@ -71,7 +72,7 @@ def test_the_checker_stays_off_outside_a_distributed_rank(monkeypatch: pytest.Mo
 
 
 def test_train_makes_every_tensor_collective_through_comm() -> None:
-    """The one place that decides a collective's device (train/comm.py) is the only caller of torch's: a new
+    """The one place that decides a collective's device (train/dist/comm.py) is the only caller of torch's: a new
     collective elsewhere in train/ fails here before it fails on a GPU cluster."""
     around = []
     for path in sorted((REPO / "train").rglob("*.py")):
@@ -84,4 +85,4 @@ def test_train_makes_every_tensor_collective_through_comm() -> None:
                 and getattr(node.value, "id", "") == "dist"
             ):
                 around.append(f"{path.relative_to(REPO)}:{node.lineno} dist.{node.attr}")
-    assert not around, f"collectives that go around train/comm.py: {around}"
+    assert not around, f"collectives that go around train/dist/comm.py: {around}"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from helpers import PYTHON, REPO, run_env, write_job
 
 from train.config import ConfigError
-from train.failure import NonFiniteError, Stopped, kind_of
+from train.recovery.failure import NonFiniteError, Stopped, kind_of
 from ugro.run import follow, recovery
 
 HOST = os.uname().nodename
@@ -90,7 +90,7 @@ def test_a_stopped_run_records_stopped_on_every_rank(tmp_path: Path, torchrun_cm
 WAITS_FOR_A_PEER = """
 import datetime, os, sys, time
 import torch, torch.distributed as dist
-from train import failure, regroup
+from train.recovery import failure, regroup
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=120))

@@ -1,4 +1,4 @@
-"""The loss from hidden states (train/headloss.py) equals the loss from the full logits, gradients included."""
+"""The loss from hidden states (train/model/headloss.py) equals the loss from the full logits, gradients included."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from train import headchunks, headloss
-from train.data import IGNORE
-from train.step import logits_loss, summed_loss
+from train.balance.step import logits_loss, summed_loss
+from train.data.blocks import IGNORE
+from train.model import headchunks, headloss
 
 VOCAB = 300
 
@@ -96,7 +96,7 @@ def test_soft_capped_logits_fall_back_to_the_logits(caplog: pytest.LogCaptureFix
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     cfg = Gemma2Config(vocab_size=VOCAB, num_key_value_heads=2, head_dim=8, final_logit_softcapping=30.0, **shape)
     model = get_peft_model(Gemma2ForCausalLM(cfg), LoraConfig(r=4, target_modules=["q_proj"]))
-    with caplog.at_level("INFO", logger="train.headloss"):
+    with caplog.at_level("INFO", logger="train.model.headloss"):
         assert headloss.head(model) is None
     assert "final_logit_softcapping=30.0" in caplog.text
     batch = _batch()

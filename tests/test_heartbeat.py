@@ -1,4 +1,4 @@
-"""A host's first rank tells the controller which peers it cannot reach (train/regroup.py Heartbeat), so that a
+"""A host's first rank tells the controller which peers it cannot reach (train/recovery/regroup.py Heartbeat), so that a
 host whose link is cut counts as gone after one silent status poll instead of two.
 
 Real sockets on loopback: a peer's regroup store (a real TCPStore) answers; so does a host whose port is closed (it
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch.distributed as dist
 from helpers import closed_port, unanswering_port
 
-from train import regroup
+from train.recovery import regroup
 from ugro.module_utils import ugro_jobstate
 
 

@@ -46,6 +46,70 @@ def test_every_function_of_the_rank_code_reads_in_one_screen() -> None:
     assert longer == {}, "split these into named steps: " + ", ".join(f"{k} ({v} lines)" for k, v in longer.items())
 
 
+# train/ by concern (docs/architecture.md "train/"): the root holds the entry points, the loop and what the loop
+# records; everything else lives in the room of its concern.
+TRAIN_ROOT = {"__init__", "config", "worker", "launcher", "loop", "metrics", "schedule", "digest"}
+TRAIN_ROOMS = {"data", "model", "layout", "balance", "recovery", "dist", "tools"}
+
+
+def _train_module(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_imports(path: Path) -> set[str]:
+    """The train modules ``path`` imports when it is imported (module level; an import inside a function is
+    made when it runs, and may point up)."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "train":
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                found.add(candidate if _module_path(candidate) else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "train")
+    return {name for name in found if _module_path(name)}
+
+
+def _module_path(name: str) -> Path | None:
+    base = REPO.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def test_rank_code_lives_in_the_room_of_its_concern() -> None:
+    root = {p.stem for p in (REPO / "train").glob("*.py")}
+    rooms = {p.name for p in (REPO / "train").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert root == TRAIN_ROOT, f"train/ holds the entry points and the loop; put {sorted(root - TRAIN_ROOT)} in a room"
+    assert rooms == TRAIN_ROOMS, f"new rooms {sorted(rooms - TRAIN_ROOMS)}: name them here and in docs/architecture.md"
+    documented = (REPO / "docs" / "architecture.md").read_text()
+    for path in sorted((REPO / "train").rglob("*.py")):
+        if path.stem != "__init__":
+            assert f"`{path.relative_to(REPO / 'train').with_suffix('')}`" in documented or (
+                f"`{path.stem}`" in documented
+            ), f"{path.relative_to(REPO)} is not in docs/architecture.md"
+
+
+def test_rank_modules_import_each_other_in_one_order() -> None:
+    """No cycle among train/'s module-level imports: each module can be read after the ones it imports."""
+    graph = {_train_module(p): _module_imports(p) for p in sorted((REPO / "train").rglob("*.py"))}
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, "import cycle: " + " -> ".join([*path[path.index(name) :], name])
+        if name in done:
+            return
+        for dep in sorted(graph.get(name, ())):
+            if dep != name:
+                visit(dep, (*path, name))
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, ())
+
+
 def test_nodes_receive_rank_code_and_no_controller_code() -> None:
     files = ugro_codetree.code_files(REPO)
     python = [f for f in files if f.endswith(".py")]

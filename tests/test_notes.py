@@ -1,5 +1,5 @@
 """Text as people have it: notes files of paragraphs, a folder of notes, .json and .csv records, every data error
-naming a line the user can open (train/sources.py), long documents cut to data.seq_len, and a notes file that
+naming a line the user can open (train/data/sources.py), long documents cut to data.seq_len, and a notes file that
 trains under torchrun."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import yaml
 from helpers import REPO, Run, cli, small_job
 
 from train.config import ConfigError, DataConfig, JobConfig, ModelConfig
-from train.data import build_blocks, prepare, prepare_eval, tokenize
+from train.data.blocks import build_blocks, prepare, prepare_eval, tokenize
+from train.data.records import load_records, read_checked
 from train.metrics import read_metrics
-from train.model import load_tokenizer
-from train.records import load_records, read_checked
+from train.model.load import load_tokenizer
 
 NOTES = (
     "\n"
@@ -226,8 +226,8 @@ def test_a_notes_file_trains(tmp_path: Path, torchrun: Run) -> None:
 
 
 def test_a_held_out_note_is_asked_by_its_first_line_and_answered_by_the_rest() -> None:
-    from train.evaluate import question, reference
-    from train.records import Record
+    from train.data.evaluate import question, reference
+    from train.data.records import Record
 
     note = Record("notes.md:3", {"text": "node3070 drops out of the job.\nCause: its link renegotiates to 100 Mbps."})
     assert question(note) == "node3070 drops out of the job."

@@ -1,5 +1,5 @@
 """Packing keeps examples apart: examples packed whole into one row each see only themselves, so an example's loss
-is the same packed with others as alone (train/data.py ``build_blocks``, ``model_inputs``)."""
+is the same packed with others as alone (train/data/blocks.py ``build_blocks``, ``model_inputs``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 from helpers import REPO
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from train.balance.step import summed_loss
 from train.config import DataConfig
-from train.data import IGNORE, Example, build_blocks, model_inputs
-from train.step import summed_loss
+from train.data.blocks import IGNORE, Example, build_blocks, model_inputs
 
 SEQ = 24
 
@@ -64,10 +64,10 @@ def test_an_examples_loss_is_the_same_packed_with_others_as_alone(attention: str
 
 
 def test_packed_rows_joined_into_one_with_their_lengths_give_the_same_loss(monkeypatch: pytest.MonkeyPatch) -> None:
-    """unsloth keeps packed examples apart only by ``packed_seq_lengths`` over one joined row (train/data.py
+    """unsloth keeps packed examples apart only by ``packed_seq_lengths`` over one joined row (train/data/blocks.py
     ``model_inputs(by_lengths=True)``): the lengths are each example's and each row's padding, and the loss read
     from the joined row is the loss of the rows (here with transformers, which keeps them apart by positions)."""
-    import train.step
+    import train.balance.step
 
     config = AutoConfig.from_pretrained(REPO / "models" / "tiny-llama")
     torch.manual_seed(0)
@@ -82,6 +82,6 @@ def test_packed_rows_joined_into_one_with_their_lengths_give_the_same_loss(monke
     assert joined["packed_seq_lengths"].tolist() == [15, 9, 11, 8, 5]  # the padding: a sequence of its own
     with torch.no_grad():
         rows = summed_loss(model, batch)
-        monkeypatch.setattr(train.step, "packs_by_lengths", lambda _model: True)
+        monkeypatch.setattr(train.balance.step, "packs_by_lengths", lambda _model: True)
         one_row = summed_loss(model, batch)
     torch.testing.assert_close(one_row, rows, rtol=1e-5, atol=1e-5)

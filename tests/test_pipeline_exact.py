@@ -13,10 +13,11 @@ import torch.distributed as dist
 from helpers import REPO, small_job
 from test_token_weighted import _batches, _max_relative_difference
 
-from train import distributed, pipeline, stagemodel, topology
+from train.balance.step import StepClock, backward
 from train.config import JobConfig
-from train.model import load_model
-from train.step import StepClock, backward
+from train.dist import distributed
+from train.layout import pipeline, stagemodel, topology
+from train.model.load import load_model
 
 JOB = JobConfig.model_validate(small_job(lora={"dropout": 0.0}, data={"seq_len": 24, "packing": False}))
 CPU = torch.device("cpu")

@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from helpers import REPO, Run, write_job
 
-from train import evaluate
 from train.config import load_job
-from train.distributed import RankInfo
+from train.data import evaluate
+from train.dist.distributed import RankInfo
 from train.metrics import read_metrics
-from train.model import load_base_hf, load_tokenizer
+from train.model.load import load_base_hf, load_tokenizer
 
 EVAL = {"source": "data/sample/eval.jsonl", "every": 3, "samples": 2, "max_new_tokens": 8}
 
@@ -88,8 +88,8 @@ def test_a_stage_of_the_real_model_reads_only_its_layers_and_computes_what_the_w
 ) -> None:
     """SmolLM2's first 10 decoder layers loaded alone from its safetensors give the whole model's hidden
     state after layer 10; the last stage, fed that state, gives the whole model's logits."""
-    from train import stagemodel
-    from train.topology import Stage
+    from train.layout import stagemodel
+    from train.layout.topology import Stage
     from ugro.model import basemodel
 
     basemodel.ensure(REPO / "models" / "smollm2-135m-instruct")

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from train.planner import Plan, Telemetry, initial_plan, make_plan, split
+from train.balance.planner import Plan, Telemetry, initial_plan, make_plan, split
 
 
 @pytest.mark.parametrize("global_batch", [4, 9, 24])

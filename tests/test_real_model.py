@@ -64,12 +64,12 @@ def test_4bit_run_learns_and_leaves_an_adapter(qlora_run: Path) -> None:
 def test_a_4bit_layer_still_passes_gradients_after_an_evaluation_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The held-out loss before step 1 runs the 4-bit layers in eval mode without grad. On a CPU with AVX-512 BF16
     bitsandbytes would then repack them for an inference kernel that autograd cannot go through, and the
-    training steps after it would get no gradient from below them (train/model.py keep_4bit_trainable_on_cpu)."""
+    training steps after it would get no gradient from below them (train/model/load.py keep_4bit_trainable_on_cpu)."""
     if "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:  # an unquantized model loaded earlier
-        monkeypatch.delitem(sys.modules, "bitsandbytes")  # in this process kept it out (train/model.py)
+        monkeypatch.delitem(sys.modules, "bitsandbytes")  # in this process kept it out (train/model/load.py)
     import bitsandbytes as bnb
 
-    from train.model import keep_4bit_trainable_on_cpu
+    from train.model.load import keep_4bit_trainable_on_cpu
 
     torch.manual_seed(0)
     layer = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.float32, quant_type="nf4")

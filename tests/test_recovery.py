@@ -104,8 +104,8 @@ def _left_behind(testbed: Any, job_id: str) -> str:
 @pytest.fixture()
 def faults_job(repo_jobs: Path) -> Iterator[Path]:
     # How long the survivors look for who is left: tb1 and tb3 first wait out a controller that just died (three of
-    # its 2-s polls and 10 s: train/consensus.py), then for `ugro follow` to start and name tb3 alone; the cut-off
-    # tb1 gives up after it (its collective's timeout_s, then this).
+    # its 2-s polls and 10 s: train/recovery/consensus.py), then for `ugro follow` to start and name tb3 alone; the
+    # cut-off tb1 gives up after it (its collective's timeout_s, then this).
     # One held-out answer before and after, written by whichever rank is the main one at the end.
     held_out = {"source": "data/sample/eval.jsonl", "every": 100, "samples": 1, "max_new_tokens": 8}
     path = cluster_job(repo_jobs, "cluster-faults", train={"max_restarts": 3}, distributed={"regroup_timeout_s": 45},

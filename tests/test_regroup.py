@@ -4,7 +4,7 @@ Five "hosts" on this machine (five torchrun agents, one rank each, told apart by
 loopback) run a real job that no controller follows. The faults are real signals at exact points of a step
 (tests/fixtures/faulty_worker.py): h2 dies with its gradient all-reduce under way, h4 in the middle of its
 optimizer step: the survivors find their stores refused and agree among themselves who is left
-(train/consensus.py). Then h5 freezes (SIGSTOP: its store still accepts connects, so no survivor can tell it
+(train/recovery/consensus.py). Then h5 freezes (SIGSTOP: its store still accepts connects, so no survivor can tell it
 from a slow one) after its step, while the others gather every rank's RNG state for a checkpoint; the test then
 plays the controller and writes the survivors' membership file, as playbooks/regroup.yml does, and they leave
 that gather at once, not at the collective timeout. The multi-host version with the real controller, SSH and

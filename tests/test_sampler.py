@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from train.planner import make_plan
-from train.sampler import GlobalBatchSampler
+from train.balance.planner import make_plan
+from train.balance.sampler import GlobalBatchSampler
 
 
 @pytest.mark.parametrize("num_items", [1, 5, 17, 33, 101])

@@ -1,4 +1,4 @@
-"""The stage planner (train/stageplan.py) and `ugro plan` (docs/pipeline.md, "The plan"): which rank holds which
+"""The stage planner (train/layout/stageplan.py) and `ugro plan` (docs/pipeline.md, "The plan"): which rank holds which
 layers, from each rank's memory and speed, with the arithmetic when nothing fits. No torch, no hosts."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from helpers import REPO, cli
 
-from train import headchunks
 from train.config import JobConfig, StagesConfig, load_job
-from train.stageplan import CUDA_OVERHEAD_GIB, Member, ModelShape, PlanError, estimate, plan
-from train.topology import Layout, data_parallel
+from train.layout.stageplan import CUDA_OVERHEAD_GIB, Member, ModelShape, PlanError, estimate, plan
+from train.layout.topology import Layout, data_parallel
+from train.model import headchunks
 
 DEFAULT = load_job(REPO / "jobs" / "default.yaml")
 # The default model's config.json as its conversion writes it (models/smollm2-135m-instruct holds it only once
@@ -232,7 +232,7 @@ def test_the_8b_job_trains_whole_on_every_card_at_a_smaller_micro_batch_rather_t
 
 
 def test_a_rank_runs_the_micro_batch_its_layout_gives_it() -> None:
-    from train import placement
+    from train.layout import placement
 
     job = load_job(LLAMA8)
     layout = plan(job, LLAMA8_SHAPE, _reference(LLAMA8_SHAPE, "unsloth"))

@@ -1,4 +1,4 @@
-"""The step clock reads the device's time on CUDA without making the step wait for it (train/step.py StepClock).
+"""The step clock reads the device's time on CUDA without making the step wait for it (train/balance/step.py StepClock).
 
 There is no GPU here: the clock takes its events from a factory (``StepClock.events``, ``torch.cuda.Event`` on
 CUDA), and these tests give it events on a fake device timeline whose work the test queues and completes. The
@@ -14,10 +14,10 @@ import pytest
 import torch
 from helpers import write_job
 
-from train.balance import Balancer
+from train.balance.batchplan import Balancer
+from train.balance.step import StepClock, cuda_event, exchange
 from train.config import load_job
-from train.distributed import RankInfo
-from train.step import StepClock, cuda_event, exchange
+from train.dist.distributed import RankInfo
 
 
 class Device:
@@ -63,8 +63,8 @@ class FakeEvent:
 
 
 def _step(clock: StepClock, device: Device, pipeline: bool = False) -> None:
-    """One step as train/step.py backward drives the clock (the last lap from DDP's hook); ``pipeline`` waits for an
-    input in the middle, as a pipeline stage does. The host queues work instantly; the device takes its time."""
+    """One step as train/balance/step.py backward drives the clock (the last lap from DDP's hook); ``pipeline`` waits
+    for an input in the middle, as a pipeline stage does. The host queues work instantly; the device takes its time."""
     clock.begin()
     device.queue(0.5)  # a no_sync micro-batch
     clock.lap()
@@ -117,7 +117,7 @@ def test_nothing_waits_for_the_device_during_the_step_and_the_read_waits_only_fo
 
 def test_the_host_clock_gives_the_old_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
     ticks = itertools.count(start=10.0, step=0.25)
-    monkeypatch.setattr("train.step.time.perf_counter", lambda: next(ticks))
+    monkeypatch.setattr("train.balance.step.time.perf_counter", lambda: next(ticks))
     clock = StepClock.for_device(torch.device("cpu"))
     assert clock.events is None
     clock.begin()  # 10.0

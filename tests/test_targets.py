@@ -16,9 +16,9 @@ import yaml
 from helpers import REPO, Run, cli, small_job
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, PretrainedConfig, Qwen2Config
 
-from train import targets
 from train.config import ConfigError, JobConfig
 from train.metrics import read_metrics
+from train.model import targets
 from ugro.checks import jobcheck
 
 LLAMA_NAMES = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]

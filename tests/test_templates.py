@@ -11,11 +11,11 @@ import yaml
 from helpers import REPO, small_job
 from transformers import AutoTokenizer
 
-from train import templates
 from train.config import ConfigError, DataConfig, ModelConfig, load_job
-from train.data import IGNORE, tokenize
-from train.model import load_tokenizer
-from train.records import Record
+from train.data import templates
+from train.data.blocks import IGNORE, tokenize
+from train.data.records import Record
+from train.model.load import load_tokenizer
 from ugro.model import modelfile
 
 CONVERSATION = {"messages": [{"role": "system", "content": "You run a GPU cluster."},

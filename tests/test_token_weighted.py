@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from helpers import REPO, small_job
 
-from train import distributed
+from train.balance.step import backward, label_tokens, summed_loss
 from train.config import JobConfig
-from train.model import load_model
-from train.step import backward, label_tokens, summed_loss
+from train.dist import distributed
+from train.model.load import load_model
 
 JOB = small_job(lora={"dropout": 0.0}, data={"seq_len": 24, "packing": False})
 

@@ -236,16 +236,16 @@ class DistributedConfig(_Strict):
         60,
         ge=0,
         description="When a host is lost, how long the surviving ranks try to learn who is left (from the controller "
-        "that follows the run, or, where none does, by agreeing among themselves: train/consensus.py) and then go on "
-        "in their own processes, nothing redone (train/regroup.py); after that they fail and a controller "
-        "relaunches from a checkpoint. 0: never regroup, always relaunch.",
+        "that follows the run, or, where none does, by agreeing among themselves: train/recovery/consensus.py) "
+        "and then go on in their own processes, nothing redone (train/recovery/regroup.py); after that they fail "
+        "and a controller relaunches from a checkpoint. 0: never regroup, always relaunch.",
     )
     rejoins: int = Field(
         2,
         ge=0,
         description="When a rank crashes on a host that stays up (the OOM killer, a driver error), the other hosts go "
         "on without it and that host's ranks start again and rejoin them, taking the step, weights and optimizer "
-        "state from them (train/rejoin.py): at most this many times per host and launch, and no more than "
+        "state from them (train/recovery/rejoin.py): at most this many times per host and launch, and no more than "
         "train.max_restarts. 0: a controller relaunches every host from a checkpoint instead.",
     )
     grad_compression: Literal["auto", "bf16", "none"] = Field(

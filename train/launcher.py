@@ -84,11 +84,11 @@ preloaded: list[ModuleType] = []
 
 def _launch(argv: list[str]) -> None:
     """torchrun; where a rank crashed on this host while the others of a multi-host run go on, this host's ranks
-    start again, up to ``distributed.rejoins`` times, and rejoin the running group (train/comeback.py)."""
+    start again, up to ``distributed.rejoins`` times, and rejoin the running group (train/recovery/comeback.py)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from train import comeback
+    from train.recovery import comeback
 
     args = torchrun.parse_args(argv)
     place = comeback.Place.of(args)

@@ -13,11 +13,14 @@ from typing import Any
 
 import torch
 
-from train import checkpoint, distributed, door, engine, evaluate, placement, preempt, regroup, rejoin, survivors
+from train.balance.sampler import GlobalBatchSampler
 from train.config import JobConfig
-from train.data import Blocks, prepare
-from train.distributed import RankInfo
-from train.failure import NonFiniteError
+from train.data import evaluate
+from train.data.blocks import Blocks, prepare
+from train.data.records import describe_source
+from train.dist import distributed
+from train.dist.distributed import RankInfo
+from train.layout import engine, placement
 from train.metrics import (
     MetricsWriter,
     last_logged_step,
@@ -28,8 +31,8 @@ from train.metrics import (
     write_samples,
     write_status,
 )
-from train.records import describe_source
-from train.sampler import GlobalBatchSampler
+from train.recovery import checkpoint, door, preempt, regroup, rejoin, survivors
+from train.recovery.failure import NonFiniteError
 from train.schedule import warmup_cosine
 
 log = logging.getLogger(__name__)
@@ -38,8 +41,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Progress:
     """The optimizer steps done so far, for the failure record of a rank that stops mid-run; after a regroup, what
-    the rank's status file says of it (train/survivors.py), with the digest of its weights at the first step in the
-    new group (every survivor's must be the same)."""
+    the rank's status file says of it (train/recovery/survivors.py), with the digest of its weights at the first step in
+    the new group (every survivor's must be the same)."""
 
     step: int | None = None
     weights_due: bool = False
@@ -51,7 +54,7 @@ def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: b
     rank = Rank.set_up(job, info, run_dir, code_dir, progress)
     joining = rejoin.requested()  # this host's ranks crashed and were started again: they take the group's state
     rank.resume(resume and not joining)
-    if joining:  # into the running group: its step, weights and optimizer state (train/rejoin.py)
+    if joining:  # into the running group: its step, weights and optimizer state (train/recovery/rejoin.py)
         rank.join()
     rank.open_records()
     if rank.start == 0 and not joining:
@@ -79,8 +82,8 @@ class Rank:
     run_dir: Path
     code_dir: Path
     progress: Progress
-    layout: Any  # train/placement.py: data parallel, or pipeline stages
-    trainer: Any  # train/engine.py: a whole replica, or this rank's stage
+    layout: Any  # train/layout/placement.py: data parallel, or pipeline stages
+    trainer: Any  # train/layout/engine.py: a whole replica, or this rank's stage
     trainable: list[torch.nn.Parameter]  # what the optimizer updates
     blocks: Blocks
     held_out: evaluate.HeldOut | None
@@ -94,7 +97,7 @@ class Rank:
     watch: regroup.Watcher | None = None
     part: str = ""  # what this rank computes, for `make status`
     device: str = ""  # and on what, for the model card
-    balancer: Any = field(init=False)  # train/balance.py, once the trainer has started
+    balancer: Any = field(init=False)  # train/balance/batchplan.py, once the trainer has started
     sampler: GlobalBatchSampler = field(init=False)
 
     def __post_init__(self) -> None:
@@ -104,7 +107,7 @@ class Rank:
     def set_up(cls, job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, progress: Progress) -> Rank:
         """The model (or this rank's stage of it), the data, the held-out set and the optimizer, on every rank."""
         torch.manual_seed(job.train.seed)
-        preempt.install()  # a batch scheduler's warning before its time limit (train/preempt.py); LAN: nothing
+        preempt.install()  # a batch scheduler's warning before its time limit (train/recovery/preempt.py); LAN: nothing
         layout = placement.decide(job, info, code_dir)  # data parallel, or pipeline stages when the model needs them
         job = placement.sized(job, layout, info.rank)  # a smaller micro-batch where only that fits the whole model
         trainer = engine.build(job, info, code_dir, layout, run_dir)
@@ -155,7 +158,7 @@ class Rank:
 
     def open_records(self) -> None:
         """The main rank's records; on every other host's first rank, the same rows kept aside (a regroup after
-        the main host is lost makes that host keep the run's records: train/survivors.py)."""
+        the main host is lost makes that host keep the run's records: train/recovery/survivors.py)."""
         info = self.info
         if info.is_main:
             self.writer = self.keep_records(self.start)
@@ -196,7 +199,7 @@ class Rank:
             write_status(self.run_dir, **{"eval_loss_after" if adapter else "eval_loss_before": round(value, 6)})
 
     def watch_peers(self, publish: bool) -> None:
-        """Ranks on several hosts go on without a lost host, in their own processes (train/regroup.py)."""
+        """Ranks on several hosts go on without a lost host, in their own processes (train/recovery/regroup.py)."""
         info = self.info
         self.part = self.layout.describe_rank(info.rank)
         self.device = engine.device_name(info.device)
@@ -279,7 +282,7 @@ class Rank:
             write_status(self.run_dir, step=done, last_checkpoint=str(saved))
 
     def take_in_hosts_that_came_back(self) -> None:
-        """Hosts whose ranks came back (train/rejoin.py): the group takes them in between two steps."""
+        """Hosts whose ranks came back (train/recovery/rejoin.py): the group takes them in between two steps."""
         if self.watch is None or not door.due():
             return
         step = int(self.progress.step or 0)

@@ -153,7 +153,7 @@ def rank_figures(
     hosts: Sequence[str], shares: Sequence[int], ready_s: Sequence[float], tokens: Sequence[float]
 ) -> dict[str, list[Any]]:
     """Every rank's host and share of this step's global batch (0-1), and, from the step before (the figures
-    this step's all-reduce brought: train/step.py ``StepClock``), its compute time until its gradients were
+    this step's all-reduce brought: train/balance/step.py ``StepClock``), its compute time until its gradients were
     ready and its label tokens per second of that time; None where nothing was timed yet (a run's first step)."""
     total = sum(shares) or 1
     return {
@@ -179,9 +179,9 @@ def write_rank_status(
     """This rank's latest figures into ``hosts/<host>/rank<N>.json`` on its own host, atomically, every step:
     what the node exporter (ugro/module_utils/ugro_exporter.py) serves for the ranks of its host, what
     ``make status`` says the rank computes (``part``: the whole model, or its pipeline stage and layers), and the
-    device it computes on (``device``: train/engine.py ``device_name``, what the model card names); after a regroup,
-    its generation, attempt, the step it continued from, and the digest of the rank's weights at the first step in
-    the new group (``regrouped``; the controller settles the restart from it when the main host cannot answer)."""
+    device it computes on (``device``: train/layout/engine.py ``device_name``, what the model card names); after a
+    regroup, its generation, attempt, the step it continued from, and the digest of the rank's weights at the first step
+    in the new group (``regrouped``; the controller settles the restart from it when the main host cannot answer)."""
 
     def own(key: str) -> Any:
         values = figures.get(key, [])

@@ -2,8 +2,8 @@
 
 Exit codes: 0 finished, 2 bad configuration (message names the file/host and key), 3 the loss or
 gradient went non-finite (the last good checkpoint is kept), 4 any other failure, 5 started again to rejoin the running
-group and found none to rejoin (train/rejoin.py), 143 stopped. Every
-ending but success appends the cause to ``hosts/<host>/failures.jsonl`` (train/failure.py); the main
+group and found none to rejoin (train/recovery/rejoin.py), 143 stopped. Every
+ending but success appends the cause to ``hosts/<host>/failures.jsonl`` (train/recovery/failure.py); the main
 rank also writes it into run.json.
 """
 
@@ -17,9 +17,12 @@ import sys
 import warnings
 from pathlib import Path
 
-from train import distributed, failure, loop, model, rejoin
+from train import loop
 from train.config import ConfigError, DistributedConfig, JobConfig, apply_profile, load_job, load_profile
+from train.dist import distributed
 from train.metrics import write_status
+from train.model import load as model
+from train.recovery import failure, rejoin
 
 log = logging.getLogger("train")
 

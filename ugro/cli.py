@@ -28,8 +28,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from train.config import ConfigError, JobConfig, load_job
+from train.layout.stageplan import PlanError
 from train.metrics import read_eval, read_metrics, read_samples, write_status
-from train.stageplan import PlanError
 from ugro.checks import doctor, jobcheck, ranks
 from ugro.checks import plan as stageplan
 from ugro.checks import preflight as preflight_run

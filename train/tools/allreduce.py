@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from train import comm
+from train.dist import comm
 
 MARK = "UGRO_ALLREDUCE"
 

@@ -2,9 +2,9 @@
 
     python -m train.tools.memprobe --job jobs/x.yaml --profile /etc/ugro/profile.yaml --host NAME
 
-One process, no process group: the model as the job loads it (train.model.load_model), the job's
-data (train.data.prepare), micro-batches of the profile's size through the job's token-weighted
-backward (train.step.backward) and an AdamW step, --steps times. Prints one line
+One process, no process group: the model as the job loads it (train.model.load.load_model), the job's
+data (train.data.blocks.prepare), micro-batches of the profile's size through the job's token-weighted
+backward (train.balance.step.backward) and an AdamW step, --steps times. Prints one line
 ``UGRO_MEMPROBE {json}``: peak memory (CUDA: torch.cuda.max_memory_allocated; CPU: peak RSS),
 what the device has, and on an out-of-memory error which knob to change. Exit 0 even then; 2 when
 the job or profile is broken (the message names the file and key).
@@ -41,9 +41,9 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def probe(job_file: Path, profile: Path | None, host: str, steps: int, code_dir: Path) -> dict[str, Any]:
-    from train.data import prepare
-    from train.model import load_model
-    from train.step import backward
+    from train.balance.step import backward
+    from train.data.blocks import prepare
+    from train.model.load import load_model
 
     job = load_job(job_file)
     if profile is not None:
@@ -95,9 +95,9 @@ def probe(job_file: Path, profile: Path | None, host: str, steps: int, code_dir:
 
 
 def _estimate_bytes(job: Any, code_dir: Path, device_kind: str, backend: str) -> int | None:
-    """What the stage planner (train/stageplan.py) estimates the whole model needs here, with the backend that
+    """What the stage planner (train/layout/stageplan.py) estimates the whole model needs here, with the backend that
     loaded it: the probe checks it."""
-    from train import stageplan
+    from train.layout import stageplan
 
     try:
         shape = stageplan.read_shape(job, code_dir)

@@ -1,5 +1,5 @@
 """What the model will see, before anything starts (`make validate`): the training data tokenized and packed as
-every rank will (train/data.py, with the job's own tokenizer), counted, and a few rows shown with the trained
+every rank will (train/data/blocks.py, with the job's own tokenizer), counted, and a few rows shown with the trained
 tokens marked (``SHOW=N``)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 
 from rich.text import Text
 
-from train import templates
 from train.config import ConfigError, JobConfig
-from train.data import IGNORE, Blocks, build_blocks, pad_id, tokenize
-from train.model import load_tokenizer
-from train.records import training_data
+from train.data import templates
+from train.data.blocks import IGNORE, Blocks, build_blocks, pad_id, tokenize
+from train.data.records import training_data
+from train.model.load import load_tokenizer
 from ugro.checks.jobcheck import model_dir
 
 TRAINED_STYLE = "bold green"

@@ -98,7 +98,8 @@ KNOWN = (
 )
 
 
-# The fix for each kind of ending the ranks (train/failure.py) and the controller (ugro/run/recovery.py) record.
+# The fix for each kind of ending the ranks (train/recovery/failure.py) and the controller (ugro/run/recovery.py)
+# record.
 FIXES = {
     "oom": "lower rank_local.micro_batch_size in that host's /etc/ugro/profile.yaml or set "
     "rank_local.gradient_checkpointing: true; make preflight measures the fit",

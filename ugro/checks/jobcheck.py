@@ -13,9 +13,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from train import templates
 from train.config import ConfigError, JobConfig
-from train.records import Record, held_out_records, messages, training_data
+from train.data import templates
+from train.data.records import Record, held_out_records, messages, training_data
 from ugro.model import basemodel
 
 
@@ -100,7 +100,7 @@ def check_targets(job: JobConfig, repo: Path, cache: Path | None = None) -> list
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from train import targets  # torch: imported only when a check runs, not by every command of the CLI
+    from train.model import targets  # torch: imported only when a check runs, not by every command of the CLI
 
     try:
         config = AutoConfig.from_pretrained(config_file.parent)

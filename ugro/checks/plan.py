@@ -6,7 +6,7 @@ defaults unless the inventory sets its own) and the rank count by preflight's ru
 Online, the fast preflight's host facts fill in what the inventory leaves open: the GPU count and memory
 (or a CPU host's available memory) and the profile of ``memory_profile_name: auto``. Offline, a GPU host is
 taken to start one rank unless ``ugro_nproc_per_node`` says otherwise, and its profile must give
-``memory_gib``. The plan itself is train/stageplan.py's, the same function every rank calls.
+``memory_gib``. The plan itself is train/layout/stageplan.py's, the same function every rank calls.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 
 from train.config import ConfigError, JobConfig, RankLocalConfig, apply_profile, check_profile
-from train.stageplan import GIB, Member, PlanError, estimate, plan, read_shape
-from train.topology import Layout
+from train.layout.stageplan import GIB, Member, PlanError, estimate, plan, read_shape
+from train.layout.topology import Layout
 
 ROLE_DEFAULTS = ("roles/ugro/defaults/main.yml", "roles/memory_profile/defaults/main.yml")
 

@@ -157,7 +157,7 @@ def arch_row(facts: dict[str, dict[str, Any]], cuda: str | None, why: str) -> Ch
 
 
 def backend_row(facts: dict[str, dict[str, Any]], cuda: str | None, requested: str, report: Report) -> Check:
-    """What each host trains with: unsloth or transformers + peft, on CUDA or on CPU (train/model.py's choice)."""
+    """What each host trains with: unsloth or transformers + peft, on CUDA or on CPU (train/model/load.py's choice)."""
     check = Check("backend")
     for host, f in facts.items():
         gpus = f.get("gpu", {}).get("gpus") or []

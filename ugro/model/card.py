@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 import yaml
 
+from train.balance.planner import Plan
+from train.layout.topology import Layout
 from train.metrics import read_eval, read_metrics, read_samples
-from train.planner import Plan
-from train.topology import Layout
 from ugro.model.basemodel import ModelError, load_recipe
 from ugro.model.jsonfile import read_object
 
@@ -32,7 +32,7 @@ WHAT: dict[str, str] = {
     "gguf": "the fine-tuned model (the adapter merged into its base) as GGUF files, for llama.cpp and Ollama",
 }
 NOT_RECORDED = "not recorded by this run"
-PLAN_SOURCES = {  # train/planner.py Plan.source
+PLAN_SOURCES = {  # train/balance/planner.py Plan.source
     "equal": "equal shares",
     "weights": "the job's fixed weights per host",
     "measured": "from each rank's measured speed",

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from train import evaluate
 from train.config import JobConfig
-from train.data import IGNORE, Blocks, prepare_eval, prompt_text
-from train.distributed import RankInfo
+from train.data import evaluate
+from train.data.blocks import IGNORE, Blocks, prepare_eval, prompt_text
+from train.dist.distributed import RankInfo
 from ugro.model.llamacpp import LlamaCpp
 
 # f16: llama.cpp's answers must equal transformers' for at least this many tokens (or the divergence is a near tie).

@@ -1,7 +1,7 @@
 """Which checkpoints of a run are intact, checked against their sha256 manifests (standard library only).
 
 The trainer writes ``<run>/checkpoints/step-NNNNNN/{adapter/, state.pt, manifest.json}``, the manifest last
-(train/checkpoint.py, which checks its own writes with the same rule). Used by the host fact module
+(train/recovery/checkpoint.py, which checks its own writes with the same rule). Used by the host fact module
 (``gather_subset: checkpoint``: the newest intact checkpoint a host holds) and by the controller, which keeps
 its own verified copy of every checkpoint while it follows a run (ugro/run/replicas.py).
 """
@@ -41,8 +41,8 @@ def listed(run_dir: Path) -> list[Path]:
 
 def problem(path: Path) -> str | None:
     """None when every file the manifest lists is there with its checksum, else what is wrong: the rule of
-    ``train/checkpoint.py`` ``verify``, which the ranks apply before they load one (this file ships alone to hosts;
-    tests/test_checkpoint.py holds the two equal)."""
+    ``train/recovery/checkpoint.py`` ``verify``, which the ranks apply before they load one (this file ships alone to
+    hosts; tests/test_checkpoint.py holds the two equal)."""
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
     except FileNotFoundError:

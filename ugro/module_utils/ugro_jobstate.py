@@ -40,15 +40,15 @@ STOPPED_MARK = "stopped"
 ACTIVE_JOB = "active-job"
 # Written by the launch script: which launch of the run this is (0 first, then one more per relaunch).
 ATTEMPT = "attempt"
-# Each failed rank's cause, one JSON line each (train/failure.py FAILURES).
+# Each failed rank's cause, one JSON line each (train/recovery/failure.py FAILURES).
 FAILURES = "failures.jsonl"
-# The hosts this host's ranks cannot reach (train/regroup.py Heartbeat).
+# The hosts this host's ranks cannot reach (train/recovery/regroup.py Heartbeat).
 PEERS = "peers.json"
 # When a controller that follows the run last asked this host, and how often it asks: while it is recent the ranks
-# leave a lost host to the controller's word, after it they agree among themselves (train/consensus.py).
+# leave a lost host to the controller's word, after it they agree among themselves (train/recovery/consensus.py).
 FOLLOWED = "followed.json"
 # hosts/<host>/rejoin.json: this host's ranks crashed and its launcher started them again to rejoin the others
-# (train/comeback.py MARK); removed once the group took them back in.
+# (train/recovery/comeback.py MARK); removed once the group took them back in.
 REJOIN = "rejoin.json"
 # The launch: its script, its process group (written by the script itself), torchrun's log, its exit status.
 LAUNCH_SCRIPT = "launch.sh"

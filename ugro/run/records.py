@@ -60,7 +60,7 @@ class Restart:
     membership_s: float | None = None  # regroup: the controller telling the survivors who is left
     regroup_s: float | None = None  # regroup: the ranks' own, from the collective that failed to the new group
     # regroup: who named the members ("survivors": no controller followed; "rejoin": the group took back in a host
-    # whose crashed ranks were started again, train/rejoin.py)
+    # whose crashed ranks were started again, train/recovery/rejoin.py)
     decided_by: str = "controller"
 
     @property

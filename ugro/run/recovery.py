@@ -15,7 +15,7 @@ from ugro.run.records import Cause, Restart
 
 Statuses = Mapping[str, Mapping[str, Any]]
 
-# A rank's own record of one of these means the relaunch would fail the same way (train/failure.py).
+# A rank's own record of one of these means the relaunch would fail the same way (train/recovery/failure.py).
 NOT_RESTARTABLE = frozenset({"config", "non_finite"})
 # Record kinds that are consequences of a failure elsewhere, not causes.
 SECONDARY = ("collective", "stopped")
@@ -43,9 +43,9 @@ class Watch:
 
     def unreachable(self, polls: int = UNREACHABLE_POLLS) -> list[str]:
         """Hosts that did not answer the last ``polls`` polls, or the last one where their peers cannot reach them
-        either (train/regroup.py Heartbeat). A fault is declared on two silent polls, or on one its peers confirm;
-        once there is one, a host silent on the last poll counts as gone (a cut link hangs its SSH session while
-        the hosts that talk to it fail with collective errors)."""
+        either (train/recovery/regroup.py Heartbeat). A fault is declared on two silent polls, or on one its peers
+        confirm; once there is one, a host silent on the last poll counts as gone (a cut link hangs its SSH session
+        while the hosts that talk to it fail with collective errors)."""
         silent = self.silent
         return [h for h in self.hosts if silent.get(h, 0) >= polls or (silent.get(h, 0) and h in self.vouched)]
 
@@ -134,8 +134,8 @@ def root_cause(statuses: Statuses, hosts: list[str], unreachable: Iterable[str])
 
 
 def rejoining(statuses: Statuses, hosts: Iterable[str]) -> list[str]:
-    """Hosts whose ranks crashed and whose launcher starts them again to rejoin the group (train/comeback.py): the
-    others go on without them meanwhile (a regroup, not a relaunch), and they come back by themselves."""
+    """Hosts whose ranks crashed and whose launcher starts them again to rejoin the group (train/recovery/comeback.py):
+    the others go on without them meanwhile (a regroup, not a relaunch), and they come back by themselves."""
     return [h for h in hosts if statuses.get(h, {}).get("state") == "running" and statuses[h].get("rejoining")]
 
 
@@ -147,7 +147,7 @@ def blamed(statuses: Statuses, hosts: list[str], unreachable: Iterable[str]) -> 
 
 
 def regroup_survivors(statuses: Statuses, hosts: list[str], main: str, gone: list[str]) -> list[str] | None:
-    """The hosts that can go on in their own processes without ``gone`` (train/regroup.py), or None when the
+    """The hosts that can go on in their own processes without ``gone`` (train/recovery/regroup.py), or None when the
     fault needs a relaunch: no host is gone (a rank crashed on a host that stays up), a survivor's job is not
     running whole, or the ranks hold pipeline stages. Where the main host is gone, the first survivor takes up
     the run's records (``rendezvous_for``)."""
@@ -165,8 +165,8 @@ def regroup_survivors(statuses: Statuses, hosts: list[str], main: str, gone: lis
 
 def survivors_regroups(statuses: Statuses, attempt: int, generation: int) -> list[dict[str, Any]]:
     """The regroups of launch ``attempt`` newer than ``generation``, oldest first: those the ranks agreed on
-    themselves while no controller followed (train/consensus.py), and the hosts they took back in after a crash
-    (train/rejoin.py), from the main rank's history in run.json (``regroups``) and every rank's newest
+    themselves while no controller followed (train/recovery/consensus.py), and the hosts they took back in after a crash
+    (train/recovery/rejoin.py), from the main rank's history in run.json (``regroups``) and every rank's newest
     (``rank_regrouped``)."""
     found: dict[int, dict[str, Any]] = {}
     for status in statuses.values():

@@ -22,7 +22,7 @@ Rules, from NVIDIA's and PyTorch's own documents:
   Maxwell, Pascal and Volta (< 7.5): a GTX 1080 (6.1) or a V100 (7.0) has no kernel there.
 - unsloth needs CUDA: on a host whose torch sees a usable GPU and which has unsloth installed,
   ``model.backend: auto`` is unsloth; anywhere else transformers + peft (+ bitsandbytes for 4-bit),
-  on CPU with gloo where there is no usable GPU (train/model.py ``resolve_backend``).
+  on CPU with gloo where there is no usable GPU (train/model/load.py ``resolve_backend``).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def backend(
     unsloth_installed: bool,
     requested: str = "auto",
 ) -> Backend:
-    """The backend a host really runs (train/model.py ``resolve_backend``), from its GPUs' compute
+    """The backend a host really runs (train/model/load.py ``resolve_backend``), from its GPUs' compute
     capabilities (empty: no GPU; None: not reported), its driver, torch's CUDA runtime and the job's
     ``model.backend`` (auto, unsloth or hf)."""
     if not ccs:

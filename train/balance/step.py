@@ -1,0 +1,230 @@
+"""One optimizer step with a token-weighted loss over unequal per-rank batches.
+
+With T_r label tokens on rank r in this step, T = sum_r T_r and W ranks, each rank backpropagates
+L_r = (W / T) * sum(token losses on r). DDP averages gradients over the W ranks, so every rank ends
+up with the gradient of the mean token loss over the union of all ranks' batches — exactly what a
+single process would compute on the whole global batch, however the batch was split.
+
+Every micro-batch but the last runs under ``no_sync()``, so each rank does exactly one
+synchronizing backward per optimizer step.
+
+The same all-reduce that sums T also carries every rank's compute time and label tokens of the
+previous step (``StepClock``), which the balancer and the per-rank figures (tokens/s, ready time)
+need: timing costs no extra message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, Self, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from train.data.blocks import IGNORE, flat_labels, model_inputs
+from train.dist import comm
+from train.model import headloss
+from train.model.load import packs_by_lengths
+from train.recovery import door, regroup
+
+
+def label_tokens(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+def summed_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over the batch's label tokens, in fp32.
+
+    From the final hidden states and the head's weight, never the whole logits (train/model/headloss.py), unless the
+    model's logits are more than its head's output; the model is still called whole, so DDP sees its forward."""
+    inputs = model_inputs(batch, by_lengths=packs_by_lengths(model))
+    labels = flat_labels(batch["labels"], inputs)
+    head = headloss.head(model)
+    if head is None:
+        return logits_loss(model(**inputs).logits, labels)
+    with headloss.head_inputs(head) as seen:
+        out = model(**inputs)
+    if not seen:  # the model did not call its head module (it used the weight itself): its logits are whole
+        return logits_loss(out.logits, labels)
+    return headloss.summed_loss(head, seen[-1], labels)
+
+
+def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy of ``logits`` against ``labels`` (IGNORE where there is no label), in fp32."""
+    shifted = logits[:, :-1, :].float()
+    targets = labels[:, 1:]
+    return F.cross_entropy(
+        shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
+
+
+def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # A lost peer fails it at once (train/recovery/regroup.py), not at the collective timeout.
+        regroup.wait(comm.all_reduce(value, async_op=True))
+    return value
+
+
+class Event(Protocol):
+    """A mark on a device's timeline: the part of ``torch.cuda.Event(enable_timing=True)`` the clock uses."""
+
+    def record(self) -> None: ...  # on the current stream
+    def query(self) -> bool: ...  # complete: the stream has reached it
+    def synchronize(self) -> None: ...  # wait (the host) until it is complete
+    def elapsed_time(self, end_event: Self, /) -> float: ...  # milliseconds from this event to ``end_event``
+
+
+def cuda_event() -> Event:
+    return torch.cuda.Event(enable_timing=True)
+
+
+@dataclass
+class StepClock:
+    """This rank's own compute time in a step: from the step's start until its gradients are ready.
+
+    Time spent waiting for slower ranks in the gradient all-reduce is not counted, so the numbers
+    say how fast each rank is, not how long the slowest one made it wait. ``lap()`` ends a stretch
+    of compute: after each ``no_sync`` micro-batch, and from DDP's communication hook when a
+    gradient bucket is ready (train/dist/distributed.py). The step's time runs from ``begin()`` to the
+    last ``lap()`` or ``waited()`` before ``end()``.
+
+    Where to read the time: on CPU (``events`` None) host timestamps. On CUDA (``StepClock.for_device``)
+    kernels run asynchronously and a host timestamp only says when the work was queued, so each mark
+    also records an event on the current stream (``events``: a factory of ``torch.cuda.Event``s) and the
+    time is the GPU's, from the step's first event to its last. Nothing waits for the GPU during the
+    step: ``last_compute_s`` resolves the ended step's events when read, at the next step's ``exchange()``,
+    when the step's closing host sync (``loss.item()``) has long passed them; an event not complete yet
+    (which that sync rules out) is waited for alone (``Event.synchronize``), never the whole device.
+
+    ``device_s_per_token`` is for the benchmark only: the rank then emulates a device that needs
+    that many seconds per token. It computes each micro-batch for real, then sleeps until the
+    micro-batch has taken ``tokens x device_s_per_token`` (or longer, if the real compute did), so
+    its speed follows the work it did and not how busy the CPU happens to be.
+    """
+
+    device_s_per_token: float = 0.0
+    events: Callable[[], Event] | None = None  # None: host timestamps; else device events (see above)
+    last_host_s: float = 0.0  # the previous step's compute time by host timestamps (on CPU: the time)
+    last_tokens: int = 0  # this rank's label tokens in the previous step, shared alongside its time
+    gathered: list[float] = field(default_factory=list)  # every rank's previous-step compute time
+    gathered_tokens: list[float] = field(default_factory=list)  # every rank's previous-step label tokens
+    _start: float = 0.0
+    _mark: float = 0.0
+    _pending_tokens: float = 0.0
+    _first: Event | None = None  # the running step's first and last device events
+    _last: Event | None = None
+    _ended: tuple[Event, Event] | None = None  # the ended step's, until ``last_compute_s`` resolves them
+    _device_s: float = 0.0
+
+    @classmethod
+    def for_device(cls, device: torch.device, device_s_per_token: float = 0.0) -> StepClock:
+        """The clock of a rank that trains on ``device``: the GPU's time on CUDA, host time elsewhere."""
+        return cls(device_s_per_token, events=cuda_event if device.type == "cuda" else None)
+
+    @property
+    def last_compute_s(self) -> float:
+        """The previous step's compute time, which the next step's all-reduce shares with everyone."""
+        if self.events is None:
+            return self.last_host_s
+        if self._ended is not None:
+            first, last = self._ended
+            for event in (first, last):  # complete by now (the step ended with a host sync); if not, wait for it
+                if not event.query():
+                    event.synchronize()
+            self._device_s, self._ended = first.elapsed_time(last) / 1000, None
+        return self._device_s
+
+    def _device_mark(self) -> Event | None:
+        if self.events is None:
+            return None
+        event = self.events()
+        event.record()
+        return event
+
+    def begin(self) -> None:
+        self._start = self._mark = time.perf_counter()
+        self._first = self._last = self._device_mark()
+        self._pending_tokens = 0
+
+    def work(self, tokens: float) -> None:
+        """The next lap computes these tokens (only the benchmark's emulated device uses it)."""
+        self._pending_tokens += tokens
+
+    def waited(self) -> None:
+        """The time since the last lap went to waiting for a peer (a pipeline stage's input), not to compute."""
+        self._mark = time.perf_counter()
+        self._last = self._device_mark()
+
+    def lap(self) -> None:
+        if self.device_s_per_token > 0 and self._pending_tokens:
+            device_s = self._pending_tokens * self.device_s_per_token
+            time.sleep(max(0.0, self._mark + device_s - time.perf_counter()))
+            self._pending_tokens = 0
+        self._mark = time.perf_counter()
+        self._last = self._device_mark()
+
+    def end(self) -> None:
+        self.last_host_s = self._mark - self._start
+        if self._first is not None and self._last is not None:
+            self._ended = (self._first, self._last)
+
+
+def exchange(counted_tokens: int, clock: StepClock) -> int:
+    """Collective, once per step: the step's label tokens summed over the ranks (each counts ``counted_tokens``),
+    every rank's compute time and tokens of the previous step into ``clock.gathered*``, and the hosts waiting to
+    rejoin the group (train/recovery/door.py: the main rank's count), so that every rank learns of them in the same
+    step."""
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else 1
+    rank = dist.get_rank() if initialized else 0
+    stats = comm.zeros(2 + 2 * world, torch.float64)
+    stats[0] = counted_tokens
+    stats[1 + rank] = clock.last_compute_s
+    stats[1 + world + rank] = clock.last_tokens
+    stats[-1] = door.waiting()
+    values = _all_reduce_sum(stats).tolist()
+    clock.gathered, clock.gathered_tokens = values[1 : 1 + world], values[1 + world : 1 + 2 * world]
+    door.announced(int(values[-1]))
+    return int(values[0])
+
+
+def backward(
+    model: torch.nn.Module,
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    device: torch.device,
+    clock: StepClock | None = None,
+) -> tuple[float, int]:
+    """Accumulate the token-weighted gradient of this rank's micro-batches; return (global mean loss, T)."""
+    clock = clock or StepClock()
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    own_tokens = sum(label_tokens(mb) for mb in micro_batches)
+    total = exchange(own_tokens, clock)
+
+    clock.begin()
+    scale = world / max(total, 1)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    last = len(micro_batches) - 1
+    ddp = isinstance(model, DistributedDataParallel)
+    for i, batch in enumerate(micro_batches):
+        sync = i == last or not ddp
+        clock.work(batch["input_ids"].numel())
+        with contextlib.nullcontext() if sync else cast(DistributedDataParallel, model).no_sync():
+            loss = summed_loss(model, batch)
+            (loss * scale).backward()
+        if not (ddp and sync):  # under DDP the communication hook ends the synchronizing backward's lap
+            clock.lap()
+        loss_sum += loss.detach().double()
+    clock.end()
+    clock.last_tokens = own_tokens
+    global_loss = _all_reduce_sum(loss_sum) / max(total, 1)
+    return float(global_loss.item()), total
+
+
+def clip(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip gradients in place; return the norm before clipping (inf/nan when the gradient is broken)."""
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False))

@@ -1,0 +1,327 @@
+"""Process group set-up, DDP wrapping, and the start-up guard that every rank runs the same job."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import socket
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from train.dist import comm, devicecheck
+from train.recovery import regroup
+from train.config import ConfigError, JobConfig
+from train.balance.step import StepClock
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    device: torch.device
+    main_rank: int = 0  # writes metrics and checkpoints: local rank 0 of the rendezvous host
+    hosts: tuple[str, ...] = ()  # the host of every rank, by rank
+    attempt: int = 0  # which launch of the run this is (the controller's UGRO_ATTEMPT)
+    stores: tuple[tuple[str, str], ...] = ()  # (host, address:port of its regroup store) for every host
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == self.main_rank
+
+
+def init(timeout_s: int) -> RankInfo:
+    """Join the process group torchrun prepared: NCCL on CUDA, gloo on CPU."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    elif devicecheck.install():  # tests: the default group stands for NCCL, the rank's device for its GPU
+        device, backend = devicecheck.RANK_DEVICE, "gloo"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+        if device.type == "cuda":
+            kwargs["device_id"] = device
+            # A collective past the timeout: the watchdog aborts the communicator and the wait raises, and the
+            # rank records the failure (the default, 3, ends the process without a word). A regroup aborts the
+            # broken group itself before (train/recovery/regroup.py ``leave``).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        dist.init_process_group(**kwargs)
+        comm.control_group()  # made now, while every rank is here: made later, a lost peer would block it
+    host = os.environ.get("UGRO_HOST") or socket.gethostname()
+    main_rank, hosts, stores = _roll_call(host, rank, local_rank, world)
+    attempt = int(os.environ.get("UGRO_ATTEMPT", "0"))
+    return RankInfo(rank, local_rank, world, host, device, main_rank, hosts, attempt, stores)
+
+
+_SERVERS: list[regroup.StoreServer] = []
+
+
+def _roll_call(
+    host: str, rank: int, local_rank: int, world: int
+) -> tuple[int, tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """Every rank's host, the rank whose disk holds the run, and every host's regroup store.
+
+    The main rank is local rank 0 on the host the launcher marked UGRO_MAIN_HOST=1: c10d
+    rendezvous numbers nodes by their address, not by inventory order, so global rank 0 may
+    live on any host; checkpoints and metrics belong on the rendezvous host all the same.
+    Local rank 0 of every host opens the store a regroup would use if that host became the main one.
+    """
+    candidate = rank if os.environ.get("UGRO_MAIN_HOST") == "1" and local_rank == 0 else world
+    if not dist.is_initialized():
+        return 0, (host,), ()
+    if local_rank == 0 and not _SERVERS:
+        address = os.environ.get("UGRO_CLUSTER_ADDRESS") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        _SERVERS.append(regroup.StoreServer(address))
+    endpoint = _SERVERS[0].endpoint if local_rank == 0 else ""
+    everyone: list[tuple[str, int, str] | None] = [None] * world
+    dist.all_gather_object(everyone, (host, candidate, endpoint))
+    entries = [e for e in everyone if e is not None]
+    chosen = min(c for _, c, _ in entries)
+    stores = tuple((h, e) for h, _, e in entries if e)
+    return (chosen if chosen < world else 0), tuple(h for h, _, _ in entries), stores
+
+
+def rejoin(info: RankInfo, membership: regroup.Membership, timeout_s: int) -> RankInfo:
+    """Leave the broken group and form ``membership``'s with the other survivors: this rank's new place."""
+    survivors = regroup.new_ranks(info.hosts, membership.hosts)
+    if info.rank not in survivors:
+        raise regroup.GroupLost(f"the new membership left this host out of the group ({', '.join(membership.hosts)})")
+    hosts = tuple(info.hosts[r] for r in survivors)
+    stores = tuple((h, e) for h, e in info.stores if h in membership.hosts)
+    return _form(info, membership.generation, survivors.index(info.rank), hosts, membership.main, stores, timeout_s,
+                 "regroup")  # fmt: skip
+
+
+def enter(info: RankInfo, group: Any, rank: int, timeout_s: int) -> RankInfo:
+    """Leave this rank's group and form ``group`` (train/recovery/rejoin.py ``Group``: a group grown by the hosts it took in)
+    as its rank ``rank``, through its main host's store."""
+    return _form(info, group.generation, rank, tuple(group.hosts), group.main, tuple(group.stores), timeout_s, "grow")
+
+
+def _form(info: RankInfo, generation: int, rank: int, hosts: tuple[str, ...], main: str,
+          stores: tuple[tuple[str, str], ...], timeout_s: int, kind: str) -> RankInfo:  # fmt: skip
+    """Form the group of ``hosts`` (every rank's host) through ``main``'s store, as its rank ``rank``: this rank's
+    new place."""
+    store = _store_of(info, main, stores, timeout_s)
+    backend = "nccl" if info.device.type == "cuda" else "gloo"
+    comm.forget_control_group()
+    regroup.form(backend, store, info.attempt, generation, rank, len(hosts), timeout_s, info.device, kind)
+    comm.control_group()  # the new group's, made while every member is here
+    return RankInfo(rank, info.local_rank, len(hosts), info.host, info.device, hosts.index(main), hosts, info.attempt,
+                    stores)  # fmt: skip
+
+
+def store_server() -> dist.Store | None:
+    """This process's regroup store, where it is its host's first rank."""
+    return _SERVERS[0].store if _SERVERS else None
+
+
+def regroup_store(info: RankInfo, host: str, timeout_s: int) -> dist.Store:
+    """``host``'s regroup store: this process's own server where ``host`` is this rank's host and this is its first
+    rank, else a client of it."""
+    return _store_of(info, host, info.stores, timeout_s)
+
+
+def _store_of(info: RankInfo, host: str, stores: tuple[tuple[str, str], ...], timeout_s: int) -> dist.Store:
+    if _SERVERS and host == info.host:
+        return _SERVERS[0].store
+    endpoint = dict(stores).get(host)
+    if endpoint is None:
+        raise regroup.GroupLost(f"no regroup store is known for the new main host {host}")
+    return regroup.endpoint_store(endpoint, timeout_s)
+
+
+def wait_for_all(what: str, timeout_s: int) -> None:
+    """Collective: every rank waits here for all the others, at most ``timeout_s`` seconds.
+
+    For the waits that take each rank its own, long time (loading the model; the main rank writing the
+    adapter and the samples at the end) rather than the process-group timeout, which bounds every other
+    collective so that a lost peer is noticed within ``distributed.timeout_s``. A gloo monitored barrier:
+    on a timeout it names the ranks that did not arrive. Without the final wait the non-main ranks tore
+    their gloo connections down while the main rank still worked, and once a rank aborted at exit.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    try:
+        dist.monitored_barrier(group=comm.control_group(), timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise dist.DistError(f"waiting until {what}: {exc}") from exc
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def agree(problem: str | None, info: RankInfo) -> None:
+    """Collective: if any rank could not load its configuration, every rank raises the same error."""
+    problems: list[str | None] = [problem]
+    if dist.is_initialized():
+        problems = [None] * info.world_size
+        dist.all_gather_object(problems, problem)
+    found = list(dict.fromkeys(p for p in problems if p))
+    if found:
+        raise ConfigError("\n".join(found))
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_same_job(job: JobConfig, info: RankInfo) -> None:
+    """All-gather every rank's cluster-wide config; on any difference fail on every rank, naming it."""
+    if not dist.is_initialized():
+        return
+    mine = (info.host, info.rank, job.cluster_hash(), _flatten(job.cluster_wide()))
+    everyone: list[Any] = [None] * info.world_size
+    dist.all_gather_object(everyone, mine)
+    ref_host, _, ref_hash, ref_flat = everyone[0]
+    for host, rank, digest, flat in everyone[1:]:
+        if digest == ref_hash:
+            continue
+        keys = sorted(k for k in set(flat) | set(ref_flat) if flat.get(k) != ref_flat.get(k))
+        shown = ", ".join(f"{k} ({ref_flat.get(k)!r} on {ref_host} vs {flat.get(k)!r})" for k in keys)
+        raise ConfigError(
+            f"host {host} (rank {rank}) runs a different job than {ref_host}: cluster-wide key(s) differ: {shown}. "
+            "Sync the same job file and train code to every host."
+        )
+
+
+def compression(job: JobConfig, info: RankInfo, model: torch.nn.Module) -> str:
+    """bf16 or none: auto compresses fp32 gradients when they cross a network link (ranks on several hosts)."""
+    setting = job.distributed.grad_compression
+    if setting != "auto":
+        return setting
+    fp32 = all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+    return "bf16" if fp32 and len(set(info.hosts)) > 1 else "none"
+
+
+@dataclass
+class _HookState:
+    clock: StepClock
+    compress: bool
+    process_group: dist.ProcessGroup | None = None
+
+
+def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: note that this rank's gradients are ready, then all-reduce them (averaged)."""
+    # On CUDA the lap records an event on this thread's current stream. DDP calls the hook from autograd's
+    # device thread, whose current stream is the one the backward kernels of this bucket were queued on, so the
+    # event completes exactly when the GPU has computed the bucket's gradients, before the all-reduce (queued
+    # next, on NCCL's stream) and its wait for slower ranks.
+    state.clock.lap()
+    hook = default_hooks.bf16_compress_hook if state.compress else default_hooks.allreduce_hook
+    # A new membership fails the wait at once: DDP would otherwise wait for a lost peer until the timeout.
+    return regroup.abandonable(hook(state.process_group, bucket))  # type: ignore[arg-type]
+
+
+# DDP inspects the hook's annotations as objects; `from __future__ import annotations` left strings.
+_timed_allreduce.__annotations__ = typing.get_type_hints(_timed_allreduce)
+
+
+def broadcast_trainable(model: torch.nn.Module, info: RankInfo, src: int = 0) -> int:
+    """Collective: every rank takes rank ``src``'s trainable parameters; returns the bytes broadcast.
+
+    Ranks first agree that they hold the same trainable parameters (names, shapes, dtypes): DDP's
+    own check is part of the start-up sync that ``wrap`` turns off. Then one broadcast per dtype
+    (and device) of all of them flattened together, not one per tensor.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    layout = hashlib.sha256(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in named]).encode()).hexdigest()
+    everyone: list[tuple[str, int, str, int] | None] = [None] * info.world_size
+    dist.all_gather_object(everyone, (info.host, info.rank, layout, len(named)))
+    entries = [e for e in everyone if e is not None]
+    ref_host, ref_rank, ref_layout, ref_count = entries[src]
+    odd = [f"{host} (rank {rank}: {count} tensors)" for host, rank, digest, count in entries if digest != ref_layout]
+    if odd:
+        raise ConfigError(
+            f"the trainable parameters differ from {ref_host}'s (rank {ref_rank}: {ref_count} tensors) on "
+            f"{', '.join(odd)}: every host must load the same base model and adapter. Sync the model directory "
+            "and the train code to every host."
+        )
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for _, param in named:
+        groups.setdefault((param.device, param.dtype), []).append(param)
+    sent = 0
+    with torch.no_grad():
+        for params in groups.values():
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            comm.broadcast(flat, src=src)
+            for target, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                target.copy_(value.view_as(target))
+            sent += flat.numel() * flat.element_size()
+    return sent
+
+
+def wrap(
+    model: torch.nn.Module, info: RankInfo, clock: StepClock | None = None, compress: str = "none", src: int = 0
+) -> torch.nn.Module:
+    """DDP over the trainable (LoRA) parameters only, with a timing (and optionally bf16) all-reduce hook.
+
+    DDP's start-up sync (``init_sync``) would broadcast every parameter and buffer from rank 0, the
+    frozen base included: every rank loads identical base weights from disk, and broadcasting a
+    quantized 7B base would cost ~30 s on 1 GbE. It is turned off, and only the trainable
+    parameters are broadcast, once, so that every rank starts from rank ``src``'s (0 at the start; after a
+    regroup the survivor whose state the others take).
+    """
+    if not dist.is_initialized() or info.world_size == 1:
+        return model  # one rank: nothing to synchronize, DDP would only add its bookkeeping to every step
+    broadcast_trainable(model, info, src)
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[info.local_rank] if info.device.type == "cuda" else None,
+        init_sync=False,
+        forward_sync_buffers=False,  # buffers (rotary tables) are computed alike on every rank
+        find_unused_parameters=False,
+        gradient_as_bucket_view=True,
+    )
+    ddp.register_comm_hook(_HookState(clock or StepClock(), compress == "bf16"), _timed_allreduce)
+    return ddp
+
+
+def check_gradients_agree(params: list[torch.nn.Parameter], info: RankInfo, backend: str) -> None:
+    """Collective, once, after the first synchronizing backward under DDP: every rank holds the same gradients.
+
+    DDP all-reduces them, so they agree to the bit. A library that silently turns DDP's synchronization off (unsloth
+    did, with one GPU per node) leaves each rank training its own adapter while every step looks normal; this
+    stops the run at its first step, naming the hosts, instead of handing over one rank's adapter as the whole's.
+    """
+    if not dist.is_initialized() or info.world_size == 1:
+        return
+    squares = comm.zeros((), torch.float64)
+    for param in params:
+        if param.grad is not None:
+            squares += param.grad.detach().double().pow(2).sum()
+    everyone = [comm.zeros((), torch.float64) for _ in range(info.world_size)]
+    regroup.wait(comm.all_gather(everyone, squares, async_op=True))
+    norms = [float(t) ** 0.5 for t in everyone]
+    if max(norms) - min(norms) <= 1e-6 * max(max(norms), 1e-12):
+        return
+    shown = ", ".join(
+        f"{host} (rank {rank}): {norm:.6g}" for rank, (host, norm) in enumerate(zip(info.hosts, norms, strict=True))
+    )
+    raise ConfigError(
+        f"model.backend: {backend}: after the first step's synchronizing backward the ranks' gradient norms differ "
+        f"({shown}): DDP did not all-reduce the gradients, and every host would train an adapter of its own. "
+        "unsloth has had a bug that turns DDP's synchronization off; set model.backend: hf in the job, or an "
+        "unsloth version without it."
+    )

@@ -1,0 +1,115 @@
+"""The host's side of a rejoin (train/launcher.py): after torchrun ended with a failure, whether this host's ranks start
+again to rejoin the running group (train/recovery/rejoin.py), and starting them so.
+
+They start again when a rank crashed (killed by a signal: the kernel's OOM killer, a segfault, a driver abort) or
+failed with an error of its own (out of memory, an exception), while the other hosts of a multi-host run go on
+without it; at most ``distributed.rejoins`` times in one launch, and no more than ``train.max_restarts``. They do
+not when the failure would repeat or is not this host's (a bad job, a non-finite loss, a collective that failed
+because a peer was lost, a rejoin that found no group) or when someone stopped the job (the launch script's stop
+signal ends this process before it gets here).
+
+A rank started again has no rendezvous with the other hosts (their torchrun agents are in the middle of their own
+launch): this host's torchrun runs its ranks alone (a c10d rendezvous on this host), and the ranks find the group
+through the regroup stores. ``hosts/<host>/rejoin.json`` says meanwhile that they are coming back (the controller's
+status poll reads it: ugro/module_utils/ugro_jobstate.py); the ranks remove it once the group took them in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from train.recovery.failure import FAILURES
+
+JOIN_ENV = "UGRO_JOIN"  # train/recovery/rejoin.py reads it
+MARK = "rejoin.json"
+NOT_RETRIED = frozenset({"config", "non_finite", "collective", "rejoin"})
+OWN_FAILURES = frozenset({"oom", "error"})
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where this launcher runs: its host's directory of the run, and how many times its ranks may rejoin."""
+
+    host_dir: Path | None
+    rejoins: int
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Place:
+        """From torchrun's arguments: the worker's ``--job`` and ``--run-dir``; no rejoin on a single-host run (no
+        group goes on without this host) or where the job cannot be read (the ranks report that themselves)."""
+        parser = argparse.ArgumentParser(add_help=False)
+        parser.add_argument("--job", type=Path)
+        parser.add_argument("--run-dir", type=Path)
+        worker, _ = parser.parse_known_args(list(args.training_script_args))
+        host = os.environ.get("UGRO_HOST") or os.uname().nodename
+        host_dir = worker.run_dir / "hosts" / host if worker.run_dir is not None else None
+        if host_dir is None or worker.job is None or int(str(args.nnodes).split(":")[-1]) <= 1:
+            return cls(host_dir, 0)
+        from train.recovery.regroup import scheduler
+
+        if scheduler() is not None:  # its ranks never regroup by themselves: the scheduler's requeue resumes
+            return cls(host_dir, 0)
+        from train.config import ConfigError, load_job
+
+        try:
+            job = load_job(worker.job)
+        except (ConfigError, OSError):
+            return cls(host_dir, 0)
+        # A rejoin restarts this host's ranks: no more often than the run may restart at all.
+        return cls(host_dir, min(job.distributed.rejoins, job.train.max_restarts))
+
+    def records(self) -> int:
+        """How many failure records this host has (train/recovery/failure.py ``FAILURES``)."""
+        return len(self._records())
+
+    def _records(self) -> list[dict[str, Any]]:
+        if self.host_dir is None:
+            return []
+        try:
+            lines = (self.host_dir / FAILURES).read_text(encoding="utf-8").splitlines()
+        except OSError:
+            return []
+        found = []
+        for line in lines:
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                continue
+        return found
+
+    def crashed(self, failure: Any, seen: int) -> str | None:
+        """Why this host's ranks start again after torchrun's ``ChildFailedError``, or None when they do not.
+        ``seen``: the failure records there were before this launch of torchrun."""
+        kinds = {str(r.get("kind")) for r in self._records()[seen:]}
+        if kinds & NOT_RETRIED:
+            return None
+        codes = {int(rank): int(f.exitcode) for rank, f in failure.failures.items()}
+        signalled = [f"rank {rank} killed by signal {-code}" for rank, code in codes.items() if code < 0]
+        own = sorted(kinds & OWN_FAILURES)
+        if not signalled and not own:
+            return None
+        return "; ".join(signalled + [f"a rank failed ({kind})" for kind in own])
+
+    def come_back(self, args: argparse.Namespace, why: str, count: int) -> None:
+        """Start this host's ranks again, alone, to rejoin: the note, the old ranks' files gone, torchrun's arguments
+        for a rendezvous of this host's ranks only."""
+        if self.host_dir is not None:
+            for stale in [*self.host_dir.glob("worker-rank*.pid"), *self.host_dir.glob("rank*.json")]:
+                stale.unlink(missing_ok=True)
+            note = {"time": round(time.time(), 3), "rejoin": count, "of": self.rejoins, "why": why,
+                    "attempt": int(os.environ.get("UGRO_ATTEMPT", "0"))}  # fmt: skip
+            partial = self.host_dir / f"{MARK}.tmp{os.getpid()}"
+            partial.write_text(json.dumps(note), encoding="utf-8")
+            os.replace(partial, self.host_dir / MARK)
+        print(f"ugro: {why}: starting this host's ranks again to rejoin the run ({count} of {self.rejoins})",
+              flush=True)  # fmt: skip
+        os.environ[JOIN_ENV] = "1"
+        args.nnodes, args.node_rank = "1", 0
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_conf = "c10d", "localhost:0", ""
+        args.rdzv_id = f"{args.rdzv_id}-rejoin{count}"

@@ -1,0 +1,102 @@
+"""Who is left after a lost host, agreed by the survivors themselves when no controller follows the run.
+
+A controller that follows the run names the survivors (``playbooks/regroup.yml`` writes ``membership.json``:
+train/recovery/regroup.py ``Watcher``). Once the user pressed Ctrl-C, closed the terminal, or the laptop that ran the
+controller went to sleep, nobody would: the survivors would wait ``distributed.regroup_timeout_s`` and fail. So
+each host records when the following controller last asked it (``hosts/<host>/followed.json``, written by the
+status the controller polls: ugro/module_utils/ugro_jobstate.py ``mark_followed``), and while that is older than
+three of its polls the ranks decide themselves:
+
+- ``probe``: every other host's regroup store, a TCP connect each, ``regroup.SILENT_AFTER`` rounds. A refused
+  connect is a host that is up but whose job is gone (``down``); one that never answers is a cut link or a dead
+  host (``silent``).
+- ``propose``: the hosts that answered go on, if they are more than half of the hosts that may still run (every
+  host but the ``down`` ones). Two halves that cannot reach each other cannot both have a majority, so a network
+  split never leaves two groups training apart; a 1-1 split waits for a controller (``make follow``). The main
+  host stays where it is, or moves to the first survivor in rank order: the controller's rule too
+  (ugro/run/recovery.py ``rendezvous_for``; the ranks' host order is the launch's node order).
+- ``agree``: the first proposal to reach the new main host's store wins (``compare_set``), and every rank takes
+  that one, so ranks whose probes differed still form the same group, or none (the group's forming times out).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from train.recovery.regroup import HEARTBEAT_S, SILENT_AFTER, Membership
+
+FOLLOWED = "followed.json"  # ugro/module_utils/ugro_jobstate.py FOLLOWED
+FOLLOW_GRACE_S = 10.0  # beyond three polls: a playbook poll's own time on a busy controller
+
+
+def controller_follows(run_dir: Path, host: str, now: float | None = None) -> bool:
+    """Whether a controller asked this host recently enough that it will name who is left after a fault."""
+    try:
+        record = json.loads((run_dir / "hosts" / host / FOLLOWED).read_text(encoding="utf-8"))
+        asked, poll_s = float(record["time"]), float(record["poll_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return (time.time() if now is None else now) - asked <= 3 * poll_s + FOLLOW_GRACE_S
+
+
+@dataclass(frozen=True)
+class View:
+    """This rank's view of the other hosts: those whose job is gone, and those that do not answer at all."""
+
+    down: frozenset[str]
+    silent: frozenset[str]
+
+    @property
+    def gone(self) -> frozenset[str]:
+        return self.down | self.silent
+
+
+def probe(stores: dict[str, str], rounds: int = SILENT_AFTER, timeout_s: float = HEARTBEAT_S) -> View:
+    """Connect to every host's regroup store (host -> address:port) ``rounds`` times: refused on the last round is
+    ``down``, no answer on every round ``silent``."""
+    unanswered: dict[str, int] = {}
+    refused: set[str] = set()
+    for round_ in range(rounds):
+        began = time.monotonic()
+        for host, endpoint in stores.items():
+            address, port = endpoint.rsplit(":", 1)
+            try:
+                socket.create_connection((address, int(port)), timeout=timeout_s).close()
+                refused.discard(host)
+            except ConnectionRefusedError:
+                refused.add(host)
+            except OSError:
+                refused.discard(host)
+                unanswered[host] = unanswered.get(host, 0) + 1
+        if round_ < rounds - 1:
+            time.sleep(max(0.0, timeout_s - (time.monotonic() - began)))
+    silent = {h for h, n in unanswered.items() if n >= rounds}
+    return View(frozenset(refused), frozenset(silent))
+
+
+def propose(hosts: tuple[str, ...], main: str, view: View, generation: int) -> Membership | None:
+    """The membership after ``generation`` that ``view`` supports, or None: nobody is gone (a frozen rank, a
+    crashed one whose host's store still answers: the controller's to judge), or the hosts that answer are no
+    majority of those that may still run."""
+    if not view.gone:
+        return None
+    alive = tuple(h for h in hosts if h not in view.gone)
+    may_run = len(hosts) - len(view.down & set(hosts))
+    if 2 * len(alive) <= may_run:
+        return None
+    return Membership(generation + 1, alive, main if main in alive else alive[0])
+
+
+def agree(proposal: Membership, store: dist.Store, attempt: int) -> Membership:
+    """The membership the survivors take for ``proposal``'s generation: the first proposed at the new main host's
+    store (``store``), this one if it came first."""
+    mine = json.dumps({"generation": proposal.generation, "hosts": list(proposal.hosts), "main": proposal.main})
+    key = f"ugro-membership-{attempt}-{proposal.generation}"
+    decided = json.loads(bytes(store.compare_set(key, "", mine)).decode())
+    return Membership(int(decided["generation"]), tuple(str(h) for h in decided["hosts"]), str(decided["main"]))

@@ -1,0 +1,123 @@
+"""Why a rank ended: the cause of every failure, recorded where the controller and `make doctor` read it.
+
+Each rank that fails appends one JSON line to ``<run>/hosts/<host>/failures.jsonl``:
+``{"kind", "message", "host", "rank", "step", "attempt", "time"}``. A rank that vanished (SIGKILL,
+a crash, a host that went away) writes nothing: the controller tells it apart by its missing line.
+
+Kinds: ``config`` (a bad job file or profile), ``non_finite`` (NaN/Inf loss or gradient), ``oom`` (CUDA or
+host memory), ``collective`` (a peer was lost, or a collective timed out), ``stopped`` (SIGTERM/SIGINT:
+`make stop`, or torchrun ending the rank because another one failed), ``error`` (anything else).
+Only ``config`` and ``non_finite`` are not worth a restart: they would fail again the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from train.config import ConfigError
+
+FAILURES = "failures.jsonl"
+NOT_RESTARTABLE = frozenset({"config", "non_finite"})
+# Text of collective errors that gloo and NCCL raise as plain RuntimeError.
+_COLLECTIVE_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe")
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient went NaN/Inf; the run stops and keeps its last good checkpoint."""
+
+
+class RejoinError(RuntimeError):
+    """Ranks started again to rejoin the running group found none to rejoin, or were not taken in
+    (train/recovery/rejoin.py): the run ended, every other host is gone, or its ranks hold pipeline stages. Not retried
+    on this host."""
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT reached the rank (BaseException: no ``except Exception`` swallows it)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: str
+    message: str
+    host: str
+    rank: int
+    step: int | None
+    attempt: int
+    time: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _raise_stopped(signum: int, _frame: FrameType | None) -> None:
+    # Only the first: a stop reaches a rank more than once (make stop signals the rank and its launch's process group,
+    # and torchrun's agent passes its own SIGTERM on), and a second Stopped would cut short the rank's record of why
+    # it ended. SIGKILL stays the hard stop.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise Stopped(f"{signal.Signals(signum).name} received")
+
+
+def stop_on_signals() -> None:
+    """Turn SIGTERM/SIGINT into :class:`Stopped`, so that a stopped rank records why it ended."""
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    signal.signal(signal.SIGINT, _raise_stopped)
+
+
+def kind_of(exc: BaseException) -> str:
+    if isinstance(exc, ConfigError):
+        return "config"
+    if isinstance(exc, NonFiniteError):
+        return "non_finite"
+    if isinstance(exc, Stopped):
+        return "stopped"
+    if isinstance(exc, RejoinError):
+        return "rejoin"
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return "oom"
+    if isinstance(exc, dist.DistError | TimeoutError | ConnectionError):
+        return "collective"
+    text = str(exc).lower()
+    if isinstance(exc, RuntimeError) and any(word in text for word in _COLLECTIVE_WORDS):
+        return "collective"
+    return "error"
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """The exception as one readable line: its type and the first non-empty line of its message."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    if isinstance(exc, ConfigError):
+        text = " ".join(lines) or text  # the whole message: it names the file, key and fix
+    if isinstance(exc, NonFiniteError):
+        text = "non-finite loss or gradient: " + " ".join(lines)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def record(run_dir: Path, exc: BaseException, host: str, rank: int, step: int | None) -> Failure:
+    """Append this rank's failure to its host's failures.jsonl; returns it."""
+    failure = Failure(
+        kind=kind_of(exc),
+        message=one_line(exc),
+        host=host,
+        rank=rank,
+        step=step,
+        attempt=int(os.environ.get("UGRO_ATTEMPT", "0")),
+        time=round(time.time(), 3),
+    )
+    host_dir = run_dir / "hosts" / host
+    host_dir.mkdir(parents=True, exist_ok=True)
+    with (host_dir / FAILURES).open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(failure.to_dict()) + "\n")
+    return failure
