@@ -3,7 +3,7 @@
 Brings up the 3-host test cluster (network namespaces, real SSH, gloo over veth; needs root) and runs one
 job through the real controller (`ugro train`): launch -> first optimizer step; then every job process on
 tb2 is SIGKILLed between two checkpoints (a host that died: the survivors regroup in their own processes)
--> next step on the survivors; then tb1's link is cut inside its namespace (the rendezvous and main host, with
+-> next step on the survivors; then tb1's link is cut inside its namespace (the main host, with
 the run's records, gone silent) -> next step on the hosts left (tb3 takes the records up and goes on). The hosts
 run their node exporters, installed by the provisioning playbook as `make provision` does, and the controller reads
 the job's state from them (``--no-exporters``: without them, every poll goes through Ansible). With

@@ -16,7 +16,7 @@ from ugro.run.records import Cause, Restart
 
 def _restart(attempt: int, how: str, hosts: list[str]) -> Restart:
     return Restart(attempt=attempt, time=1.0, cause=Cause("lost", "gone", "tb2"), hosts_before=["tb1", "tb2", "tb3"],
-                   hosts_after=hosts, left_out=[], rendezvous=hosts[0], checkpoint_step=None, last_step_seen=3,
+                   hosts_after=hosts, left_out=[], main_host=hosts[0], checkpoint_step=None, last_step_seen=3,
                    how=how)  # fmt: skip
 
 

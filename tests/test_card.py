@@ -87,7 +87,7 @@ def plant_run(repo: Path, *, recorded: bool = True) -> Path:
         "eval_loss_before": 4.882579,
         "eval_loss_after": 3.705865,
         "hosts": ["master", "node4070", "node3070"],
-        "rendezvous": "master",
+        "main_host": "master",
         "restarts": [
             Restart(
                 1,

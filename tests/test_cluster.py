@@ -165,7 +165,7 @@ def test_three_hosts_train_and_the_controller_gets_every_log(unbroken_run: tuple
     run_dir, result = unbroken_run
     assert "restart" not in result.stdout, result.stdout[-3000:]
     assert json.loads((run_dir / "run.json").read_text())["restarts"] == []
-    rows = read_metrics(run_dir)  # fetched from the rendezvous host
+    rows = read_metrics(run_dir)  # fetched from the main host
     assert rows[-1]["step"] == 30
     assert sum(r["loss"] for r in rows[-5:]) / 5 < 0.9 * rows[0]["loss"]
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()

@@ -60,7 +60,7 @@ def capped(testbed: Any, cluster: Path, repo_jobs: Path) -> Iterator[tuple[Path,
 
 
 def _main_rows(testbed: Any, job_id: str) -> list[dict[str, Any]]:
-    """The metrics rows on the rendezvous host (tb1), while the run is on."""
+    """The metrics rows on the main host (tb1), while the run is on."""
     path = testbed.dir / "tb1" / "opt" / "ugro" / "runs" / job_id / "metrics.jsonl"
     return read_metrics(path.parent) if path.is_file() else []
 

@@ -156,7 +156,7 @@ def test_a_controller_that_comes_back_records_the_regroups_the_survivors_agreed_
     restarts, (hosts, main, generation) = recovery.adopted(agreed, ["tb1", "tb2", "tb3", "tb4"],
                                                            ["tb1", "tb2", "tb3", "tb4"], restarts_before=1)  # fmt: skip
     assert (hosts, main, generation) == (["tb3", "tb4"], "tb3", 2)
-    assert [(r.attempt, r.cause.host, r.hosts_after, r.rendezvous) for r in restarts] == [
+    assert [(r.attempt, r.cause.host, r.hosts_after, r.main_host) for r in restarts] == [
         (2, "tb2", ["tb1", "tb3", "tb4"], "tb1"), (3, "tb1", ["tb3", "tb4"], "tb3")]  # fmt: skip
     assert all(r.steps_redone == 0 and r.decided_by == "survivors" for r in restarts)
     assert restarts[1].line().startswith("restart 3: lost on tb1: ")

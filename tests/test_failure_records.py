@@ -164,7 +164,7 @@ def test_the_cause_is_the_first_failure_not_its_consequences() -> None:
     statuses = {"a": _status("running"), "b": _status("lost"), "c": {"state": "unreachable", "error": "timeout"}}
     assert recovery.root_cause(statuses, hosts, ["c"]).kind == "unreachable"  # type: ignore[union-attr]
     assert recovery.blamed(statuses, hosts, ["c"]) == ["b", "c"]
-    assert recovery.rendezvous_for(["b", "c"], "a") == "b" and recovery.rendezvous_for(["a", "c"], "a") == "a"
+    assert recovery.main_host_for(["b", "c"], "a") == "b" and recovery.main_host_for(["a", "c"], "a") == "a"
 
 
 def test_one_silent_poll_is_not_a_fault_two_are() -> None:
@@ -237,7 +237,7 @@ def test_the_survivors_of_a_lost_host_regroup_unless_the_fault_needs_a_relaunch(
     assert recovery.regroup_survivors(statuses, hosts, "a", ["b"]) == ["a", "c"]
     # The main host gone: the survivors go on, and the first of them takes up the run's records.
     assert recovery.regroup_survivors(statuses, hosts, "b", ["b"]) == ["a", "c"]
-    assert recovery.rendezvous_for(["a", "c"], "b") == "a"
+    assert recovery.main_host_for(["a", "c"], "b") == "a"
     # No host gone (a rank crashed on a host that stays up: restarted in place), a survivor whose job is not
     # whole, or pipeline stages: a relaunch.
     assert recovery.regroup_survivors(statuses, hosts, "a", []) is None

@@ -48,8 +48,8 @@ SHOW_PLAYBOOK = """
       vars:
         seen:
           port: "{{ ugro_rendezvous_port }}"
-          rendezvous_host: "{{ ugro_rendezvous_host }}"
-          rendezvous_address: "{{ hostvars[ugro_rendezvous_host]['ugro_cluster_address'] }}"
+          main_host: "{{ ugro_main_host }}"
+          rendezvous_address: "{{ hostvars[ugro_main_host]['ugro_cluster_address'] }}"
           code_dir: "{{ ugro_code_dir }}"
           python: "{{ ugro_python }}"
           code_sync: "{{ ugro_code_sync }}"
@@ -118,10 +118,10 @@ def test_shipped_group_vars_set_nothing() -> None:
 
 
 def test_the_inventorys_own_group_vars_win_over_the_shipped_defaults(tmp_path: Path, ansible_playbook: Run) -> None:
-    inventory = _user_inventory(tmp_path, {"ugro_rendezvous_host": "node2", "ugro_rendezvous_port": 29600})
+    inventory = _user_inventory(tmp_path, {"ugro_main_host": "node2", "ugro_rendezvous_port": 29600})
     seen = _seen(ansible_playbook, inventory, tmp_path)
     for host in ("node1", "node2"):
-        assert seen[host]["rendezvous_host"] == "node2"
+        assert seen[host]["main_host"] == "node2"
         assert int(seen[host]["port"]) == 29600
         # node2's address is its default (ansible_host), published so that node1 reads it too.
         assert seen[host]["rendezvous_address"] == "10.9.0.2"
@@ -133,7 +133,7 @@ def test_the_inventorys_own_group_vars_win_over_the_shipped_defaults(tmp_path: P
 def test_the_shared_defaults_apply_where_the_inventory_sets_nothing(tmp_path: Path, ansible_playbook: Run) -> None:
     seen = _seen(ansible_playbook, _user_inventory(tmp_path, {}), tmp_path)
     for host in ("node1", "node2"):
-        assert seen[host]["rendezvous_host"] == "node1"  # the first host of ugro_cluster
+        assert seen[host]["main_host"] == "node1"  # the first host of ugro_cluster
         assert int(seen[host]["port"]) == 29500
         assert seen[host]["rendezvous_address"] == "10.9.0.1"
         assert seen[host]["python"] == "/opt/ugro/.venv/bin/python"
@@ -142,7 +142,7 @@ def test_the_shared_defaults_apply_where_the_inventory_sets_nothing(tmp_path: Pa
 
 def test_the_local_inventory_runs_this_checkout_on_loopback(tmp_path: Path, ansible_playbook: Run) -> None:
     seen = _seen(ansible_playbook, REPO / "inventory" / "local.yml", tmp_path)["localhost"]
-    assert seen["rendezvous_host"] == "localhost" and int(seen["port"]) == 29500
+    assert seen["main_host"] == "localhost" and int(seen["port"]) == 29500
     assert seen["rendezvous_address"] == "127.0.0.1"
     assert seen["code_sync"] in (False, "False")
 

@@ -1,5 +1,5 @@
 """`ugro k8s-manifest`: the manifest, validated offline against Kubernetes' own schemas, checked where it
-matters (torchrun, the node rank from the completion index, the rendezvous host), and its pods' command
+matters (torchrun, the node rank from the completion index, the main host), and its pods' command
 run by bash with a stand-in Python. It has not run on a real Kubernetes cluster."""
 
 from __future__ import annotations

@@ -472,7 +472,7 @@ def test_exporters_prometheus_and_dashboard_during_a_job(
             assert [r.host for r in sample.ranks] == [host] and sample.ranks[0].world_size == 3
             assert 0 < (sample.ranks[0].share or 0) < 1 and sample.job_states.get(sample.ranks[0].job) == "running"
         main = [h for h, t in texts.items() if monitor.parse(t).job]
-        assert main == ["tb1"], main  # the rendezvous host keeps the run
+        assert main == ["tb1"], main  # the main host keeps the run
 
         # The controller's poll, as `ugro train` follows the job: every state from the exporters, no playbook.
         job_id = sorted(p.name for p in runs_dir().glob("monitor-test-*"))[-1]

@@ -491,7 +491,7 @@ def _nft() -> str | None:
 
 @pytest.fixture()
 def planted(testbed: Any, clean_inventory: Path) -> Iterator[Path]:
-    """Six real failures: tb1 (rendezvous host) drops tcp 29500 and has 1 MiB free under /opt/ugro/runs;
+    """Six real failures: tb1 (main host) drops tcp 29500 and has 1 MiB free under /opt/ugro/runs;
     tb2's env file names eth0 (its interface is enp5s0) and its /etc/hosts lacks tb3; tb3's Python
     reports torch 2.99.0 and tb3 drops new connections to its ephemeral port range. Everything is
     undone afterwards."""

@@ -6,7 +6,7 @@ launcher starts its rank again and it rejoins them, nobody relaunched, nothing r
 dies (SIGKILL of its whole process group, as a laptop that lost power) and every job process on tb2 is SIGKILLed
 between two checkpoints (a host that died): with no controller to name them, the ranks on tb1 and tb3 agree among
 themselves and go on in the same processes, nothing redone, with identical weights. Then tb1's link is cut inside
-its namespace (the rendezvous and main host, which keeps the run's records; tb1 and tb3 alone cannot tell which of
+its namespace (the main host, which keeps the run's records; tb1 and tb3 alone cannot tell which of
 them was cut off, so they wait for a controller) and `ugro follow` takes the run up: it records tb2's fault from
 the ranks' own record and names tb3 alone, whose rank goes on in the same process, nothing redone, and takes the
 records up from the rows it kept itself. The run must finish every step, record each restart with its host and
@@ -204,7 +204,7 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
     # tb1 and tb2 went on without tb3 until its rank was back, then tb2 was left out, then tb1 after its link
     # went: tb3 keeps the run. Nobody relaunched.
     assert [r["hosts_after"] for r in restarts] == [["tb1", "tb2"], ["tb1", "tb2", "tb3"], ["tb1", "tb3"], ["tb3"]]
-    assert [r["rendezvous"] for r in restarts] == ["tb1", "tb1", "tb1", "tb3"]
+    assert [r["main_host"] for r in restarts] == ["tb1", "tb1", "tb1", "tb3"]
     assert {r["how"] for r in restarts} == {"regroup"}
     assert [r["decided_by"] for r in restarts] == ["controller", "rejoin", "survivors", "controller"]
     # `ugro follow` shows the fault it did not see, from the ranks' record, and the one it handled.

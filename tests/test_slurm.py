@@ -110,7 +110,7 @@ def test_the_node_script_picks_the_memory_profile_by_gpu_type_or_feature(
     args, envs = out.read_text().splitlines()
     assert f"--profile {done.run_dir}/slurm/profiles/{profile}.yaml" in args
     assert "--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=n1:29542 --rdzv-id=42" in args
-    assert envs == "main=0 stop=USR1 omp=4"  # not the rendezvous host; 4 CPUs for its one rank
+    assert envs == "main=0 stop=USR1 omp=4"  # not the main host; 4 CPUs for its one rank
 
 
 def _map(tmp_path: Path, data: Any) -> Path:

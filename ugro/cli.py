@@ -58,7 +58,7 @@ JobIdOpt = Annotated[str | None, typer.Option(help="job id (default: runs/latest
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="KEY=VALUE over the job file, e.g. optim.lr=1e-4 (repeatable)")
 ]
-MinFreeOpt = Annotated[float, typer.Option(envvar="MIN_FREE_GB", help="GiB free needed on the rendezvous host")]
+MinFreeOpt = Annotated[float, typer.Option(envvar="MIN_FREE_GB", help="GiB free needed on the main host")]
 BusbwOpt = Annotated[float, typer.Option(envvar="BUSBW_FLOOR", help="all-reduce busbw floor, GB/s (WARN below)")]
 
 
@@ -152,7 +152,7 @@ def _relative_to_repo(path: Path) -> str:
 def _pick_run(job: JobConfig, resume: str, runs: Path) -> str:
     """A new job id, or with --resume auto the newest earlier run of this job.
 
-    Its checkpoints live on the rendezvous host, not necessarily here: the main rank there loads the
+    Its checkpoints live on the main host, not necessarily here: the main rank there loads the
     newest intact one (or starts from step 0 and says so in its log).
     """
     if resume == "auto":
@@ -416,7 +416,7 @@ def follow(
     job = _load(Path(launch.job_file))
     inventory = Path(launch.inventory)
     cluster = _cluster(inventory, f"the run's inventory is gone; put it back to follow job {job_id}")
-    left = attach.Supervision.read(run_dir) or attach.Supervision(list(cluster.hosts), cluster.rendezvous, [], [])
+    left = attach.Supervision.read(run_dir) or attach.Supervision(list(cluster.hosts), cluster.main_host, [], [])
     console.print(f"following job [bold]{job_id}[/] on {', '.join(left.hosts)} (rendezvous {left.main}); "
                   f"{len(left.restarts)} restart(s) so far", highlight=False)  # fmt: skip
     for restart in left.restarts:
@@ -440,7 +440,7 @@ def _detached(job_id: str) -> typer.Exit:
 
 def _conclude(outcome: Outcome, inventory: Path, run_dir: Path) -> None:
     """The run ended: its logs and results from every host it ended on, and the controller's record."""
-    collect = {"ugro_job_id": run_dir.name, "ugro_rendezvous_host": outcome.main, "ugro_runs_dir": str(runs_dir())}
+    collect = {"ugro_job_id": run_dir.name, "ugro_main_host": outcome.main, "ugro_runs_dir": str(runs_dir())}
     run_playbook("logs.yml", inventory, collect, run_dir / ".control" / "ansible", limit=outcome.hosts)
     outcome.record().write(run_dir)
 

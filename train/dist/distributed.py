@@ -28,7 +28,7 @@ class RankInfo:
     world_size: int
     host: str
     device: torch.device
-    main_rank: int = 0  # writes metrics and checkpoints: local rank 0 of the rendezvous host
+    main_rank: int = 0  # writes metrics and checkpoints: local rank 0 of the main host
     hosts: tuple[str, ...] = ()  # the host of every rank, by rank
     attempt: int = 0  # which launch of the run this is (the controller's UGRO_ATTEMPT)
     stores: tuple[tuple[str, str], ...] = ()  # (host, address:port of its regroup store) for every host
@@ -76,7 +76,7 @@ def _roll_call(
 
     The main rank is local rank 0 on the host the launcher marked UGRO_MAIN_HOST=1: c10d
     rendezvous numbers nodes by their address, not by inventory order, so global rank 0 may
-    live on any host; checkpoints and metrics belong on the rendezvous host all the same.
+    live on any host; checkpoints and metrics belong on the main host all the same.
     Local rank 0 of every host opens the store a regroup would use if that host became the main one.
     """
     candidate = rank if os.environ.get("UGRO_MAIN_HOST") == "1" and local_rank == 0 else world

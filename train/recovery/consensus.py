@@ -14,7 +14,7 @@ three of its polls the ranks decide themselves:
   host but the ``down`` ones). Two halves that cannot reach each other cannot both have a majority, so a network
   split never leaves two groups training apart; a 1-1 split waits for a controller (``make follow``). The main
   host stays where it is, or moves to the first survivor in rank order: the controller's rule too
-  (ugro/run/recovery.py ``rendezvous_for``; the ranks' host order is the launch's node order).
+  (ugro/run/recovery.py ``main_host_for``; the ranks' host order is the launch's node order).
 - ``agree``: the first proposal to reach the new main host's store wins (``compare_set``), and every rank takes
   that one, so ranks whose probes differed still form the same group, or none (the group's forming times out).
 """

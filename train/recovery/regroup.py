@@ -250,7 +250,7 @@ def start(run_dir: Path, host: str, peers: dict[str, str] | None = None) -> Watc
     if not _WATCHER:
         _WATCHER.append(Watcher(run_dir, host))
         if peers:
-            # Under a batch scheduler the stores' addresses are the rendezvous host's (its node script names no
+            # Under a batch scheduler the stores' addresses are the main host's (its node script names no
             # cluster address) and every rank ends at once: the heartbeat only reports there.
             watch = None if scheduler() is not None else _WATCHER[0]
             _HEARTBEAT.append(Heartbeat(run_dir, host, peers, watch))

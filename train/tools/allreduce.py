@@ -1,6 +1,6 @@
 """The preflight all-reduce: one rank per host, the job's backend, latency and bus bandwidth per host.
 
-Run by the preflight role under torchrun (static rendezvous, node rank 0 on the rendezvous host):
+Run by the preflight role under torchrun (static rendezvous, node rank 0 on the main host):
 
     python -m torch.distributed.run ... --module train.tools.allreduce --env-file F --interface IF
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             "sum_ok": ok,
         }
         print(f"{MARK} {json.dumps(result)}", flush=True)
-        dist.barrier()  # leave together: the rendezvous host's store must outlive every rank's last call
+        dist.barrier()  # leave together: the main host's store must outlive every rank's last call
     finally:
         dist.destroy_process_group()
     return 0

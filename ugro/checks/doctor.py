@@ -194,7 +194,7 @@ def diagnose(run_dir: Path) -> list[Finding]:
                     "never-joined",
                     f"no rank on {host} ever started: it never joined the job",
                     f"read {host}'s torchrun.log; check its Python, code sync and that it reaches "
-                    "the rendezvous host (make preflight)",
+                    "the main host (make preflight)",
                     f"logs/{host}-rank*.log missing",
                 )
             )

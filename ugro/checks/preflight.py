@@ -121,7 +121,7 @@ def run_fast(
         reports,
         dict(run.failures),
         hosts,
-        ctx["rendezvous_host"],
+        ctx["main_host"],
         dict(ctx["addresses"]),
         int(ctx["rendezvous_port"]),
         controller_hash,
@@ -203,7 +203,7 @@ def render(report: Report, console: Console, title: str) -> None:
     table = Table(title=title, title_justify="left")
     table.add_column("check")
     for host in report.hosts:
-        table.add_column(host + (" (rdzv)" if host == report.rendezvous_host else ""))
+        table.add_column(host + (" (main)" if host == report.main_host else ""))
     for check in report.checks:
         table.add_row(check.name, *(_cell_text(check.cells.get(h, Cell("SKIP", "-"))) for h in report.hosts))
     console.print(table)

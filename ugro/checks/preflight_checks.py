@@ -34,15 +34,15 @@ from ugro.checks.preflight_stack import (
 )
 
 
-def _disk_check(host: str, facts: dict[str, Any], rendezvous: str, t: Thresholds) -> Cell:
+def _disk_check(host: str, facts: dict[str, Any], main_host: str, t: Thresholds) -> Cell:
     disk = facts.get("disk", {})
     free = disk.get("free_bytes", 0) / GIB
     detail = f"{free:.1f} GiB free"
     if free >= t.min_free_gb:
         return Cell("PASS", detail)
     where = disk.get("measured_at", disk.get("path", "?"))
-    status: Status = "FAIL" if host == rendezvous else "WARN"
-    what = "checkpoints are written here (rendezvous host)" if host == rendezvous else "logs are written here"
+    status: Status = "FAIL" if host == main_host else "WARN"
+    what = "checkpoints are written here (main host)" if host == main_host else "logs are written here"
     return Cell(
         status,
         detail,
@@ -73,7 +73,7 @@ def judge_fast(
     reports: dict[str, dict[str, Any]],
     unreachable: dict[str, str],
     hosts: list[str],
-    rendezvous: str,
+    main_host: str,
     addresses: dict[str, str],
     port: int,
     controller_hash: str,
@@ -88,7 +88,7 @@ def judge_fast(
     ``backend`` is the job's model.backend; ``cuda`` the CUDA runtime torch runs on the GPU hosts (and why
     there is none), by default the node lock's (``lock_cuda``).
     """
-    report = Report(hosts, rendezvous)
+    report = Report(hosts, main_host)
     python_of = python_of or {}
     reach = Check("reachable")
     ok: dict[str, dict[str, Any]] = {}
@@ -133,9 +133,9 @@ def judge_fast(
             " (its venv gets requirements/locks/py3.X/node.txt, + gpu.txt on a GPU host)"
         )
         if row == "unsloth":
-            report.checks.append(unsloth_row(facts, values, rendezvous, fix))
+            report.checks.append(unsloth_row(facts, values, main_host, fix))
         else:
-            report.checks.append(same_everywhere(row, values, rendezvous, fix))
+            report.checks.append(same_everywhere(row, values, main_host, fix))
 
     code = Check("train code")
     for host, f in facts.items():
@@ -174,20 +174,20 @@ def judge_fast(
             )
     report.checks.append(gpu)
     runtime, why = cuda or lock_cuda()
-    driver = driver_row(facts, rendezvous, runtime)
+    driver = driver_row(facts, main_host, runtime)
     for host in facts:
         driver.cells.setdefault(host, Cell("PASS", "no GPU"))
     report.checks.append(driver)
     report.checks.append(arch_row(facts, runtime, why))
     report.checks.append(backend_row(facts, runtime, backend, report))
 
-    report.checks.append(Check("disk", {h: _disk_check(h, f, rendezvous, thresholds) for h, f in facts.items()}))
+    report.checks.append(Check("disk", {h: _disk_check(h, f, main_host, thresholds) for h, f in facts.items()}))
     report.checks.append(Check("names", {h: names_check(h, f, addresses) for h, f in facts.items()}))
     report.checks.append(Check("interface", {h: interface_check(h, f, addresses[h]) for h, f in facts.items()}))
     report.checks.append(Check("firewall", {h: firewall_check(h, f, addresses, port) for h, f in facts.items()}))
-    report.checks.append(rendezvous_row(ok, rendezvous, port, hosts))
+    report.checks.append(rendezvous_row(ok, main_host, port, hosts))
     report.checks.append(ephemeral_row(ok, hosts, addresses))
-    report.checks.append(clock_row(ok, rendezvous, thresholds))
+    report.checks.append(clock_row(ok, main_host, thresholds))
     for host in hosts:  # a host that never reported: every row but `reachable` is SKIP
         for check in report.checks:
             check.cells.setdefault(host, Cell("SKIP", "-"))

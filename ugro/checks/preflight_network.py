@@ -209,16 +209,16 @@ def _listener(report: dict[str, Any], label: str) -> dict[str, Any]:
     return dict((report.get("network") or {}).get("listen", {}).get(label) or {})
 
 
-def rendezvous_row(reports: dict[str, dict[str, Any]], rendezvous: str, port: int, hosts: list[str]) -> Check:
+def rendezvous_row(reports: dict[str, dict[str, Any]], main_host: str, port: int, hosts: list[str]) -> Check:
     check = Check("rendezvous port")
-    listen = _listener(reports.get(rendezvous, {}), "rendezvous")
+    listen = _listener(reports.get(main_host, {}), "rendezvous")
     results = {r["from"]: r for r in _connections(reports, "rendezvous")}
     bind_error = listen.get("error")
     failed = {h: r for h, r in results.items() if not r.get("ok")}
     for host in hosts:
         if host not in reports:
             continue
-        if host == rendezvous and bind_error and "in use" in bind_error:
+        if host == main_host and bind_error and "in use" in bind_error:
             check.cells[host] = Cell(
                 "FAIL",
                 "in use",
@@ -226,14 +226,14 @@ def rendezvous_row(reports: dict[str, dict[str, Any]], rendezvous: str, port: in
                 f"stop what listens on {port} there (a job still running?) or change ugro_rendezvous_port",
             )
             continue
-        if host == rendezvous and failed:
+        if host == main_host and failed:
             names = ", ".join(sorted(failed))
             first = next(iter(failed.values()))
             check.cells[host] = Cell(
                 "FAIL",
                 f"{len(failed)} blocked",
-                f"{names} cannot connect to {rendezvous}:{port}: {first.get('error')}",
-                f"allow tcp {port} from the cluster subnet in the firewall of {rendezvous} "
+                f"{names} cannot connect to {main_host}:{port}: {first.get('error')}",
+                f"allow tcp {port} from the cluster subnet in the firewall of {main_host} "
                 "(make provision ANSIBLE_ARGS='--tags firewall', or nft/ufw by hand)",
             )
             continue
@@ -246,8 +246,8 @@ def rendezvous_row(reports: dict[str, dict[str, Any]], rendezvous: str, port: in
             check.cells[host] = Cell(
                 "FAIL",
                 "cannot connect",
-                f"{host} -> {rendezvous}:{port}: {result.get('error')}",
-                f"allow tcp {port} from the cluster subnet on {rendezvous}",
+                f"{host} -> {main_host}:{port}: {result.get('error')}",
+                f"allow tcp {port} from the cluster subnet on {main_host}",
             )
     return check
 
@@ -311,14 +311,14 @@ def ephemeral_row(reports: dict[str, dict[str, Any]], hosts: list[str], addresse
     return check
 
 
-def clock_row(reports: dict[str, dict[str, Any]], rendezvous: str, t: Thresholds) -> Check:
+def clock_row(reports: dict[str, dict[str, Any]], main_host: str, t: Thresholds) -> Check:
     check = Check("clock skew")
     for host, report in reports.items():
-        if host == rendezvous:
+        if host == main_host:
             check.cells[host] = Cell("PASS", "reference")
             continue
         connected = (report.get("network") or {}).get("connect", [])
-        result = next((r for r in connected if r.get("host") == rendezvous and "offset_s" in r), None)
+        result = next((r for r in connected if r.get("host") == main_host and "offset_s" in r), None)
         if result is None:
             check.cells[host] = Cell("SKIP", "not measured")
             continue
@@ -330,7 +330,7 @@ def clock_row(reports: dict[str, dict[str, Any]], rendezvous: str, t: Thresholds
             check.cells[host] = Cell(
                 "WARN",
                 detail,
-                f"{host}'s clock is {offset:+.1f} s off {rendezvous}'s; logs and timeouts disagree",
-                f"enable time sync (systemd-timesyncd or chrony) on {host} and {rendezvous}",
+                f"{host}'s clock is {offset:+.1f} s off {main_host}'s; logs and timeouts disagree",
+                f"enable time sync (systemd-timesyncd or chrony) on {host} and {main_host}",
             )
     return check

@@ -29,7 +29,7 @@ class Check:
 
 @dataclass
 class Thresholds:
-    min_free_gb: float = 2.0  # free disk for checkpoints on the rendezvous host
+    min_free_gb: float = 2.0  # free disk for checkpoints on the main host
     busbw_floor_gbps: float = 0.05  # GB/s (nccl-tests' unit); 1 GbE tops out near 0.117
     clock_skew_warn_s: float = 1.0
     memory_headroom: float = 0.90  # WARN when the peak is above this share of the device
@@ -38,7 +38,7 @@ class Thresholds:
 @dataclass
 class Report:
     hosts: list[str]
-    rendezvous_host: str
+    main_host: str
     checks: list[Check] = field(default_factory=list)
     measurements: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> figures
 
@@ -63,7 +63,7 @@ class Report:
             {
                 "ok": not self.failed(),
                 "hosts": self.hosts,
-                "rendezvous_host": self.rendezvous_host,
+                "main_host": self.main_host,
                 "checks": [{"name": c.name, "cells": {h: asdict(x) for h, x in c.cells.items()}} for c in self.checks],
                 "measurements": self.measurements,
             },
@@ -72,14 +72,14 @@ class Report:
 
 
 def same_everywhere(
-    name: str, values: dict[str, str | None], rendezvous: str, fix: str, missing_ok: bool = True
+    name: str, values: dict[str, str | None], main_host: str, fix: str, missing_ok: bool = True
 ) -> Check:
-    """A row where every host must report the same value; the majority (ties: the rendezvous host) is right."""
+    """A row where every host must report the same value; the majority (ties: the main host) is right."""
     check = Check(name)
     counts = Counter(values.values())
     top = max(counts.values(), default=0)
     majority = [v for v, n in counts.items() if n == top]
-    reference = values.get(rendezvous) if values.get(rendezvous) in majority else majority[0] if majority else None
+    reference = values.get(main_host) if values.get(main_host) in majority else majority[0] if majority else None
     for host, value in values.items():
         if value == reference:
             shown = value if value is not None else "not installed"

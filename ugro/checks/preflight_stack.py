@@ -32,10 +32,10 @@ def python_row(facts: dict[str, dict[str, Any]]) -> Check:
     return check
 
 
-def unsloth_row(facts: dict[str, dict[str, Any]], values: dict[str, str | None], rendezvous: str, fix: str) -> Check:
+def unsloth_row(facts: dict[str, dict[str, Any]], values: dict[str, str | None], main_host: str, fix: str) -> Check:
     """unsloth where it is installed must be one version; a host without it is fine unless it has a GPU."""
     installed: dict[str, str | None] = {h: v for h, v in values.items() if v}
-    check = same_everywhere("unsloth", installed, rendezvous, fix) if installed else Check("unsloth")
+    check = same_everywhere("unsloth", installed, main_host, fix) if installed else Check("unsloth")
     for host in values:
         if host in installed:
             continue
@@ -85,11 +85,11 @@ def _runs(driver: str, cuda: str) -> bool:
         return False
 
 
-def driver_row(facts: dict[str, dict[str, Any]], rendezvous: str, cuda: str | None) -> Check:
+def driver_row(facts: dict[str, dict[str, Any]], main_host: str, cuda: str | None) -> Check:
     """Every GPU host's driver: new enough for torch's CUDA runtime (the lock's), and the same everywhere."""
     drivers = {h: str(f["gpu"]["driver"]) for h, f in facts.items() if f.get("gpu", {}).get("driver")}
     check = same_everywhere(
-        "driver", dict(drivers), rendezvous, "install driver {ref} on {host} and hold it (apt-mark hold), then reboot"
+        "driver", dict(drivers), main_host, "install driver {ref} on {host} and hold it (apt-mark hold), then reboot"
     )
     if cuda is None:
         return check

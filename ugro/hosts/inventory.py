@@ -23,7 +23,7 @@ class InventoryError(RuntimeError):
 @dataclass(frozen=True)
 class Cluster:
     hosts: list[str]  # inventory order
-    rendezvous: str  # the main host: it writes the run's checkpoints, metrics and adapter
+    main_host: str  # serves the rendezvous; writes the run's checkpoints, metrics and adapter
     remote: bool  # False where the hosts write into the controller's own checkout (ugro_code_sync: false)
     # Every host's variables as the inventory sets them (group_vars and host_vars merged, not templated; role
     # defaults are not among them).
@@ -56,7 +56,8 @@ def read_cluster(inventory: Path) -> Cluster:
     hosts = _members(data, GROUP)
     if not hosts:
         raise InventoryError(f"{inventory}: no hosts in group '{GROUP}'; list the cluster under all.children.{GROUP}")
-    chosen = hostvars.get(hosts[0], {}).get("ugro_rendezvous_host")
-    rendezvous = chosen if isinstance(chosen, str) and chosen in hosts else hosts[0]
+    first = hostvars.get(hosts[0], {})
+    chosen = first.get("ugro_main_host", first.get("ugro_rendezvous_host"))  # its former name, still read
+    main_host = chosen if isinstance(chosen, str) and chosen in hosts else hosts[0]
     remote = all(hostvars.get(h, {}).get("ugro_code_sync", True) is not False for h in hosts)
-    return Cluster(hosts=hosts, rendezvous=rendezvous, remote=remote, hostvars=hostvars)
+    return Cluster(hosts=hosts, main_host=main_host, remote=remote, hostvars=hostvars)

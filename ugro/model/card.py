@@ -316,9 +316,9 @@ def _cluster_section(run_dir: Path, run: dict[str, Any]) -> str:
     hosts = _hosts(run_dir, run)
     world = run.get("world_size")
     lines = []
+    main = run.get("main_host") or run.get("rendezvous")  # its key before it was renamed
     if hosts:
-        lines.append(f"- Hosts: {', '.join(f'`{h}`' for h in hosts)}"
-                     + (f" (rendezvous on `{run['rendezvous']}`)" if run.get("rendezvous") else ""))  # fmt: skip
+        lines.append(f"- Hosts: {', '.join(f'`{h}`' for h in hosts)}" + (f" (main host `{main}`)" if main else ""))
     if world:
         lines.append(f"- World size: {world} ranks")
     layout = None

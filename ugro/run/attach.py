@@ -6,7 +6,7 @@ files in the run's ``.control/`` make that possible:
 
 - ``launch.json``: how the run was launched (job file, inventory, the launch's variables, poll interval), written
   once by ``make train``;
-- ``supervision.json``: the controller's record as it goes (hosts, rendezvous host, every restart and regroup,
+- ``supervision.json``: the controller's record as it goes (hosts, main host, every restart and regroup,
   failed checkpoint copies), rewritten at each change, so a controller that comes later continues it;
 - ``follower.json``: the process that follows the run now (its pid and start time, this machine's name), removed
   when it stops following; a follower that died leaves it behind, and ``follower`` tells it apart from a live one.
@@ -75,7 +75,7 @@ class Launch:
 
 @dataclass
 class Supervision:
-    """Where the controller left the run: its hosts now, its rendezvous host, the restarts so far."""
+    """Where the controller left the run: its hosts now, its main host, the restarts so far."""
 
     hosts: list[str]
     main: str
@@ -99,7 +99,7 @@ class Supervision:
 
     def write(self, run_dir: Path) -> None:
         _write(_control(run_dir) / SUPERVISION, {
-            "hosts": self.hosts, "rendezvous": self.main, "copy_failures": self.copy_failures,
+            "hosts": self.hosts, "main_host": self.main, "copy_failures": self.copy_failures,
             "restarts": [r.to_dict() for r in self.restarts], "written": round(time.time(), 3),
         })  # fmt: skip
 
@@ -109,7 +109,8 @@ class Supervision:
         if data is None or not data.get("hosts"):
             return None
         restarts = [Restart.from_dict(r) for r in data.get("restarts") or [] if isinstance(r, dict)]
-        return cls([str(h) for h in data["hosts"]], str(data.get("rendezvous") or data["hosts"][0]), restarts,
+        main = data.get("main_host") or data.get("rendezvous") or data["hosts"][0]  # "rendezvous": its former key
+        return cls([str(h) for h in data["hosts"]], str(main), restarts,
                    [str(line) for line in data.get("copy_failures") or []])  # fmt: skip
 
 

@@ -49,7 +49,7 @@ class RemoteSource:
         self.inventory, self.private_dir, self.hosts = inventory, private_dir, hosts
         self.main = main
         # ugro_follow_poll_s > 0: the controller that follows the run asks (ugro_jobstate.mark_followed)
-        self.extravars = {"ugro_job_id": job_id, "ugro_rendezvous_host": main, "ugro_follow_poll_s": follow_poll_s}
+        self.extravars = {"ugro_job_id": job_id, "ugro_main_host": main, "ugro_follow_poll_s": follow_poll_s}
         self.exporters = exporters
         self.on_note = on_note
         self.ran_playbook = True  # whether the last poll ran the status playbook

@@ -46,7 +46,7 @@ class Restart:
     hosts_before: list[str]
     hosts_after: list[str]
     left_out: list[str]
-    rendezvous: str
+    main_host: str
     checkpoint_step: int | None  # the checkpoint the relaunch was given (None: from step 0)
     last_step_seen: int
     stop_s: float = 0.0
@@ -92,6 +92,7 @@ class Restart:
     def from_dict(cls, data: dict[str, Any]) -> Restart:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
+        values.setdefault("main_host", str(data.get("rendezvous") or ""))  # a record of before the key was renamed
         values["cause"] = Cause.from_dict(data.get("cause") or {})
         return cls(**values)
 
@@ -101,7 +102,7 @@ class RunRecord:
     """The controller's part of run.json: how the run ended, on which hosts, and every restart."""
 
     hosts: list[str]
-    rendezvous: str
+    main_host: str
     state: str = "finished"
     cause: Cause | None = None
     restarts: list[Restart] = field(default_factory=list)
@@ -111,7 +112,7 @@ class RunRecord:
         values: dict[str, Any] = {
             "restarts": [r.to_dict() for r in self.restarts],
             "hosts": self.hosts,
-            "rendezvous": self.rendezvous,
+            "main_host": self.main_host,
         }
         if self.copy_failures:
             values["copy_failures"] = self.copy_failures
@@ -135,7 +136,7 @@ class RunRecord:
         cause = data.get("cause")
         return cls(
             hosts=[str(h) for h in data.get("hosts") or []],
-            rendezvous=str(data.get("rendezvous") or ""),
+            main_host=str(data.get("main_host") or data.get("rendezvous") or ""),  # its former key
             state=str(data.get("state") or "finished"),
             cause=Cause.from_dict(cause) if isinstance(cause, dict) else None,
             restarts=[Restart.from_dict(r) for r in data.get("restarts") or [] if isinstance(r, dict)],

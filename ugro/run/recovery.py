@@ -150,7 +150,7 @@ def regroup_survivors(statuses: Statuses, hosts: list[str], main: str, gone: lis
     """The hosts that can go on in their own processes without ``gone`` (train/recovery/regroup.py), or None when the
     fault needs a relaunch: no host is gone (a rank crashed on a host that stays up), a survivor's job is not
     running whole, or the ranks hold pipeline stages. Where the main host is gone, the first survivor takes up
-    the run's records (``rendezvous_for``)."""
+    the run's records (``main_host_for``)."""
     survivors = [h for h in hosts if h not in gone]
     if not gone or not survivors:
         return None
@@ -203,7 +203,7 @@ def adopted(
         restart = Restart(
             attempt=restarts_before + len(restarts) + 1, time=float(record.get("time") or 0.0), cause=cause,
             hosts_before=hosts, hosts_after=after, left_out=[h for h in inventory if h not in after],
-            rendezvous=main, checkpoint_step=None, last_step_seen=step, how="regroup",
+            main_host=main, checkpoint_step=None, last_step_seen=step, how="regroup",
             regroup_s=record.get("seconds"), decided_by=str(record.get("decided_by") or "survivors"),
         )  # fmt: skip
         restart.settle(step, step)  # nothing redone: the survivors went on from the newest step any of them had
@@ -212,7 +212,7 @@ def adopted(
     return restarts, (hosts, main, generation)
 
 
-def rendezvous_for(hosts: list[str], preferred: str) -> str:
+def main_host_for(hosts: list[str], preferred: str) -> str:
     """The rendezvous (and main) host of a relaunch: the same one while it takes part, else the first left."""
     return preferred if preferred in hosts else hosts[0]
 

@@ -1,4 +1,4 @@
-"""Checkpoints off the rendezvous host: the controller's verified copy, replicas, and placing one for a relaunch.
+"""Checkpoints off the main host: the controller's verified copy, replicas, and placing one for a relaunch.
 
 While the controller follows a run it fetches every new checkpoint from the main host into its own
 ``runs/<id>/checkpoints/`` (every file its sha256 manifest lists, checked here before the copy counts) and,
@@ -47,7 +47,7 @@ class Replicator:
     ) -> Any:
         """Run the checkpoint playbook; ``cancelled`` (asked every 0.2 s) ends it early: a copy from or to a host
         that left the run would otherwise wait for SSH's keepalive timeout (minutes) where its link was cut."""
-        extravars = {"ugro_job_id": self.run_dir.name, "ugro_checkpoint_action": action, "ugro_rendezvous_host": main}
+        extravars = {"ugro_job_id": self.run_dir.name, "ugro_checkpoint_action": action, "ugro_main_host": main}
         enough = (lambda _run: cancelled()) if cancelled is not None else None
         return run_playbook(
             "checkpoint.yml", self.inventory, extravars | extra, self.private_dir, limit=hosts, enough=enough

@@ -107,7 +107,7 @@ class Supervisor:
         first = {k: v for k, v in self.extravars.items() if attempt == 0 or k != "ugro_known_facts"}
         extravars = first | {
             "ugro_attempt": attempt,
-            "ugro_rendezvous_host": main,
+            "ugro_main_host": main,
             "ugro_resume": "auto" if resume else "none",
             "ugro_wait": False,
         }
@@ -245,7 +245,7 @@ class Supervisor:
             return {}
         # A short grace: ranks blocked in a collective with a lost peer do not act on SIGTERM, and the
         # checkpoints on disk are complete (written atomically) whatever happens to the ranks now.
-        extravars = {"ugro_job_id": self.run_dir.name, "ugro_rendezvous_host": main, "ugro_stop_grace_s": 5}
+        extravars = {"ugro_job_id": self.run_dir.name, "ugro_main_host": main, "ugro_stop_grace_s": 5}
         run = run_playbook("stop.yml", self.inventory, extravars, self.private, limit=hosts)
         return dict(run.failures)
 
@@ -259,7 +259,7 @@ class Supervisor:
         """Launch, follow and recover until the run finishes, is stopped, or fails for good.
         Raises LaunchError if the first launch fails (nothing ran); ``on_started`` runs once it started. With
         ``attached`` (`make follow`), the run is already launched: follow it from where that record left it."""
-        hosts, main = list(self.cluster.hosts), self.cluster.rendezvous
+        hosts, main = list(self.cluster.hosts), self.cluster.main_host
         attempt, generation, relaunch = 0, 0, True
         if attached is not None:
             hosts, main, relaunch = list(attached.hosts), attached.main, False
@@ -312,7 +312,7 @@ class Supervisor:
             rejoining = [h for h in recovery.rejoining(statuses, hosts) if h not in gone]
             survivors = self._survivors(statuses, hosts, main, gone + rejoining, cause)
             if survivors is not None:
-                kept = recovery.rendezvous_for(survivors, main)  # the main host, or the first survivor where it is gone
+                kept = recovery.main_host_for(survivors, main)  # the main host, or the first survivor where it is gone
                 unanswered = self._regroup(survivors, kept, generation + 1)
                 if not unanswered:
                     generation += 1
@@ -320,7 +320,7 @@ class Supervisor:
                     self.restarts.append(Restart(
                         attempt=len(self.restarts) + 1, time=round(detected, 3), cause=cause, hosts_before=hosts,
                         hosts_after=survivors, left_out=[h for h in self.cluster.hosts if h not in survivors],
-                        rendezvous=kept, checkpoint_step=None, last_step_seen=last_step, how="regroup",
+                        main_host=kept, checkpoint_step=None, last_step_seen=last_step, how="regroup",
                         membership_s=round(told - detected, 1),
                     ))  # fmt: skip
                     moved = f"; {kept} keeps the run's records now" if kept != main else ""
@@ -353,7 +353,7 @@ class Supervisor:
                 self.console.print(f"[bold red]not restarting:[/] {problem}", highlight=False)
                 return Outcome("failed", statuses, hosts, main, cause=cause, restarts=self.restarts,
                                copy_failures=self.copy_failures)  # fmt: skip
-            new_main = recovery.rendezvous_for(candidates, self.cluster.rendezvous)
+            new_main = recovery.main_host_for(candidates, self.cluster.main_host)
             # The main host keeps its own checkpoints; a new one gets the newest intact copy from wherever it is.
             step = last_checkpoint if new_main == main else self.copies.place(candidates, new_main)[0]
             attempt, generation, relaunch = attempt + 1, 0, True
@@ -364,7 +364,7 @@ class Supervisor:
                 hosts_before=hosts,
                 hosts_after=candidates,
                 left_out=[h for h in self.cluster.hosts if h not in candidates],
-                rendezvous=new_main,
+                main_host=new_main,
                 checkpoint_step=step,
                 last_step_seen=last_step,
                 stop_s=round(stopped - detected, 1),

@@ -1,7 +1,7 @@
 """`ugro k8s-manifest`: the job as Kubernetes objects of the core API (no operator, no custom resource).
 
 * a ConfigMap with the job file and the memory profiles the pods use;
-* a headless Service whose name is the rendezvous host's DNS subdomain (``publishNotReadyAddresses``:
+* a headless Service whose name is the main host's DNS subdomain (``publishNotReadyAddresses``:
   the rendezvous runs before any pod is ready);
 * one indexed Job (``completionMode: Indexed``) per memory profile, since a node selector belongs to a
   pod template: all of a Job's pods share its profile, its node selector and its GPU request. Every pod
