@@ -130,6 +130,17 @@ def test_the_inventorys_own_group_vars_win_over_the_shipped_defaults(tmp_path: P
         assert seen[host]["python"] == "/opt/ugro/.venv/bin/python"
 
 
+def test_the_main_host_s_former_name_is_still_read(tmp_path: Path, ansible_playbook: Run) -> None:
+    """An inventory written before ugro_main_host was named so: ugro_rendezvous_host still chooses the main host,
+    for the plays and for the controller."""
+    from ugro.hosts.inventory import read_cluster
+
+    inventory = _user_inventory(tmp_path, {"ugro_rendezvous_host": "node2"})
+    seen = _seen(ansible_playbook, inventory, tmp_path)
+    assert {host: seen[host]["main_host"] for host in ("node1", "node2")} == {"node1": "node2", "node2": "node2"}
+    assert read_cluster(inventory).main_host == "node2"
+
+
 def test_the_shared_defaults_apply_where_the_inventory_sets_nothing(tmp_path: Path, ansible_playbook: Run) -> None:
     seen = _seen(ansible_playbook, _user_inventory(tmp_path, {}), tmp_path)
     for host in ("node1", "node2"):
