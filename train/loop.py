@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
+from train.balance.batchplan import Balancer
 from train.balance.sampler import GlobalBatchSampler
 from train.config import JobConfig
 from train.data import evaluate
@@ -21,6 +23,7 @@ from train.data.records import describe_source
 from train.dist import distributed
 from train.dist.distributed import RankInfo
 from train.layout import engine, placement
+from train.layout.topology import Layout
 from train.metrics import (
     MetricsWriter,
     last_logged_step,
@@ -82,14 +85,14 @@ class Rank:
     run_dir: Path
     code_dir: Path
     progress: Progress
-    layout: Any  # train/layout/placement.py: data parallel, or pipeline stages
-    trainer: Any  # train/layout/engine.py: a whole replica, or this rank's stage
+    layout: Layout  # train/layout/placement.py: data parallel, or pipeline stages
+    trainer: engine.Engine  # train/layout/engine.py: a whole replica, or this rank's stage
     trainable: list[torch.nn.Parameter]  # what the optimizer updates
     blocks: Blocks
     held_out: evaluate.HeldOut | None
     data: dict[str, Any] | None  # run.json ``data`` (the main rank's, hashed while the others load)
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: LambdaLR
     phases: dict[str, float]
     start: int = 0
     writer: MetricsWriter | None = None  # the run's records, on the main rank
@@ -97,7 +100,7 @@ class Rank:
     watch: regroup.Watcher | None = None
     part: str = ""  # what this rank computes, for `make status`
     device: str = ""  # and on what, for the model card
-    balancer: Any = field(init=False)  # train/balance/batchplan.py, once the trainer has started
+    balancer: Balancer = field(init=False)  # train/balance/batchplan.py, once the trainer has started
     sampler: GlobalBatchSampler = field(init=False)
 
     def __post_init__(self) -> None:
