@@ -208,7 +208,7 @@ def main(
         killed_what = "tb2's rank" if fault == "rank" else "tb2's job"
         for what, moment, goal, host in [
             (f"SIGKILL of {killed_what} -> next step on tb1 + tb3", killed, "goal <= 10 s, 0 redone", "tb2"),
-            ("tb1 (rendezvous, main) link cut -> next step on the hosts left", cut, "goal <= 20 s", "tb1"),
+            ("tb1 (the main host) link cut -> next step on the hosts left", cut, "goal <= 20 s", "tb1"),
         ]:
             restart = by_host.get(host)
             figures.append((what, _first_step_after(bed, job_id, moment), goal,

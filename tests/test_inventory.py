@@ -1,6 +1,6 @@
 """The shipped inventories parse, and every playbook sees the shared defaults at the lowest precedence.
 
-The defaults of every cluster (rendezvous port and host, code directory, Python, ...) are role defaults
+The defaults of every cluster (rendezvous port, main host, code directory, Python, ...) are role defaults
 (roles/ugro/defaults/main.yml), loaded first by every play, so any value a user's inventory sets wins.
 These tests run real ansible-inventory and ansible-playbook: a play that loads the defaults as
 playbooks/ do and prints what each host sees.

@@ -417,7 +417,7 @@ def follow(
     inventory = Path(launch.inventory)
     cluster = _cluster(inventory, f"the run's inventory is gone; put it back to follow job {job_id}")
     left = attach.Supervision.read(run_dir) or attach.Supervision(list(cluster.hosts), cluster.main_host, [], [])
-    console.print(f"following job [bold]{job_id}[/] on {', '.join(left.hosts)} (rendezvous {left.main}); "
+    console.print(f"following job [bold]{job_id}[/] on {', '.join(left.hosts)} (main host {left.main}); "
                   f"{len(left.restarts)} restart(s) so far", highlight=False)  # fmt: skip
     for restart in left.restarts:
         console.print(f"[yellow]{escape(restart.line())}[/]", highlight=False)

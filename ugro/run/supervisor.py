@@ -372,7 +372,7 @@ class Supervisor:
             ))  # fmt: skip
             self.console.print(
                 f"[bold yellow]restart {self._counted()}/{self.job.train.max_restarts}:[/] relaunching on "
-                f"{', '.join(candidates)} (rendezvous {new_main}) from "
+                f"{', '.join(candidates)} (main host {new_main}) from "
                 f"{f'checkpoint step {step}' if step is not None else 'step 0 (no intact checkpoint)'}",
                 highlight=False,
             )
