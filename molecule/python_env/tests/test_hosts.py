@@ -65,3 +65,17 @@ def test_both_uvs_are_the_locks(host: Any) -> None:
 def test_the_host_has_no_route_out(host: Any) -> None:
     # uv installed offline from the wheelhouse: a route out would make the test prove nothing.
     assert host.run("ip route get 151.101.0.223").rc != 0
+
+
+# Every module of the venv with no bytecode beside it (its __pycache__ entry for the venv's own Python).
+UNCOMPILED = (
+    "import importlib.util as u, pathlib, sysconfig; site = pathlib.Path(sysconfig.get_paths()['purelib']);"
+    " print('\\n'.join(str(p) for p in site.rglob('*.py') if not pathlib.Path(u.cache_from_source(str(p))).is_file()))"
+)
+
+
+def test_every_module_is_compiled_for_a_job_user_who_cannot_write_the_venv(host: Any) -> None:
+    # The venv is root's; a job runs as the login user, who cannot write __pycache__ there and would compile every
+    # module it imports at each start.
+    assert host.check_output(f'{VENV}/bin/python -c "{UNCOMPILED}"').strip() == ""
+    assert int(host.check_output(f"find {VENV}/lib -name '*.pyc' | wc -l")) > 0
