@@ -13,6 +13,7 @@ network namespaces is tests/test_recovery.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -46,9 +47,17 @@ def _tell(run_dir: Path, generation: int, hosts: list[str]) -> None:
         os.replace(tmp, path)
 
 
+def _running(pid: int) -> bool:
+    """Whether rank ``pid`` still runs: not gone (also between the two looks), not a zombie, not frozen (SIGSTOP)."""
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED)
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _wait_gone(pid: int, agents: dict[str, subprocess.Popen[bytes]], deadline: float) -> None:
     """Until the rank ``pid`` died, or froze itself (SIGSTOP)."""
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED):
+    while _running(pid):
         assert time.monotonic() < deadline, f"rank {pid} did not die or stop"
         assert all(a.poll() in (None, 0, 1) for a in agents.values())
         time.sleep(0.05)
@@ -105,7 +114,8 @@ def test_survivors_of_kills_in_the_all_reduce_the_optimizer_and_a_checkpoint_go_
             time.sleep(0.2)
     finally:
         if psutil.pid_exists(pids.get("h5") or 0):
-            os.kill(pids["h5"] or 0, signal.SIGKILL)  # frozen: its session is not its agent's
+            with contextlib.suppress(ProcessLookupError):  # frozen: its session is not its agent's
+                os.kill(pids["h5"] or 0, signal.SIGKILL)
         for agent in agents.values():
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
