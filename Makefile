@@ -51,7 +51,7 @@ help:
 # --compile-bytecode: every module compiled once, here, as pip does and uv does not by default. Without it each
 # process compiles what it imports where it cannot write __pycache__ (PYTHONDONTWRITEBYTECODE, or the test hosts, which
 # see a clone under /tmp read-only): an ansible-playbook start 1.75 CPU-s instead of 1.1, torch and transformers'
-# import 20 s instead of 7.6 (docs/results.md "CI time").
+# import 20 CPU-s instead of 7.6 (docs/results.md "CI time").
 PYVER   := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
 LOCKDIR := requirements/locks/py$(PYVER)
 LOCKS   := $(LOCKDIR)/node.txt $(LOCKDIR)/controller.txt
