@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec
@@ -309,8 +309,9 @@ def _hosts_file(hosts: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _sshd_config(address: str, key_types: Sequence[str] = ("ed25519",)) -> str:
+def _sshd_config(address: str, key_types: Sequence[str] = ("ed25519",), env: Mapping[str, str] | None = None) -> str:
     host_keys = "".join(f"HostKey /etc/ssh/ssh_host_{kind}_key\n" for kind in key_types)
+    set_env = f"SetEnv {' '.join(f'{k}={v}' for k, v in sorted(env.items()))}\n" if env else ""
     return f"""\
 # Written by testbed/cluster.py for one testbed host.
 ListenAddress {address}:{SSH_PORT}
@@ -324,7 +325,7 @@ UsePAM no
 UseDNS no
 PrintMotd no
 AcceptEnv LANG LC_*
-Subsystem sftp internal-sftp
+{set_env}Subsystem sftp internal-sftp
 LogLevel INFO
 """
 
@@ -341,7 +342,11 @@ def _host_paths(directory: Path, name: str) -> dict[str, Path]:
 
 
 def _prepare_host_dirs(
-    paths: dict[str, Path], host: dict[str, Any], hosts: Sequence[dict[str, Any]], pubkey: str
+    paths: dict[str, Path],
+    host: dict[str, Any],
+    hosts: Sequence[dict[str, Any]],
+    pubkey: str,
+    env: Mapping[str, str] | None = None,
 ) -> list[str]:
     """Create the host's /etc, /root, /tmp, /run, /opt; return the extra bwrap binds for /opt."""
     for path in paths.values():
@@ -361,7 +366,7 @@ def _prepare_host_dirs(
         old.unlink()  # never copy this machine's own host keys into a test host
     _run(_tool("ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-C", f"root@{host['name']}",
          "-f", str(ssh_dir / "ssh_host_ed25519_key"))  # fmt: skip
-    (ssh_dir / "sshd_config").write_text(_sshd_config(host["address"]))
+    (ssh_dir / "sshd_config").write_text(_sshd_config(host["address"], env=env))
 
     root = paths["root"]
     (root / ".ssh").mkdir(parents=True)
@@ -614,6 +619,7 @@ def up(
     rootfs: bool = False,
     debian: Sequence[str] = ("12",),
     non_members: int = 0,
+    session_env: Mapping[str, str] | None = None,
 ) -> Testbed:
     """Bring up `hosts` testbed hosts tb1..tbN; on any failure undo everything and raise TestbedError.
 
@@ -626,6 +632,9 @@ def up(
     `non_members` adds that many bare hosts nm1..nmN on the same bridge and subnet (a network namespace
     with an address, no sshd), left out of the inventory's hosts: a device of the LAN that is no member
     of the cluster. The inventory names them in `testbed_non_members` ({name, address, namespace}).
+
+    `session_env`: variables every SSH session on a host gets (sshd's SetEnv), so every process Ansible starts there:
+    the tests' ``UGRO_NCCL_LIKE=1``, which runs the ranks' default group on the backend that behaves as NCCL does.
     """
     directory = Path(directory).resolve()
     if os.geteuid() != 0:
@@ -707,6 +716,7 @@ def up(
         "control_path_dir": _control_path_dir(directory, suffix),
         "hosts": host_list,
         "non_members": strangers,
+        "session_env": dict(session_env or {}),
         "namespaces": [],
         "links": [],
         "mounts": [],
@@ -775,7 +785,8 @@ def _bring_up(state: dict[str, Any], timeout_s: float) -> None:
             _run(ip, "-n", ns, "route", "add", state["outside_subnet"], "dev", ifname)
             _prepare_rootfs_host(state, host, pubkey)
             continue
-        opt_binds[host["name"]] = _prepare_host_dirs(_host_paths(directory, host["name"]), host, state["hosts"], pubkey)
+        opt_binds[host["name"]] = _prepare_host_dirs(_host_paths(directory, host["name"]), host, state["hosts"], pubkey,
+                                                     state.get("session_env"))  # fmt: skip
 
     for stranger in state.get("non_members", []):
         _add_non_member(state, stranger, prefixlen)

@@ -93,9 +93,13 @@ def _runs_in_a_temporary_directory(tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="session", autouse=True)
 def _ranks_fail_where_nccl_would() -> Iterator[None]:
-    """Every rank a test starts on this machine (spawned, torchrun, `make train` on localhost) runs under the device
-    checker (train/dist/devicecheck.py): a collective given a tensor NCCL would not carry fails the test."""
+    """Every rank a test starts on this machine (spawned, torchrun, `make train` on localhost) runs its default group
+    on the backend that behaves as NCCL does (train/dist/nccl_like.py: results land at ``work.wait()``, sends wait for
+    their receive, a lost peer hangs until an abort), and under the device checker (train/dist/devicecheck.py): a
+    collective given a tensor NCCL would not carry fails the test. The test cluster's ranks get the first from their
+    hosts' env file (testbed/cluster.py)."""
     with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("UGRO_NCCL_LIKE", os.environ.get("UGRO_NCCL_LIKE", "1"))  # =0 to run on plain gloo
         patch.setenv("UGRO_CHECK_DEVICES", os.environ.get("UGRO_CHECK_DEVICES", "1"))  # =0 to run without it
         yield
 
@@ -184,7 +188,9 @@ def netns() -> ModuleType:
 def testbed(netns: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Iterator[testbed_cluster.Testbed]:
     """A 3-host test cluster (tb1..tb3 on eth0/enp5s0/ens3), up for the session and down afterwards."""
     directory = tmp_path_factory.mktemp("testbed")
-    bed = testbed_cluster.up(directory, hosts=3, subnet=SESSION_SUBNET)
+    # Every SSH session there, so every rank the plays launch, runs the backend that behaves as NCCL does.
+    nccl_like = {"UGRO_NCCL_LIKE": os.environ.get("UGRO_NCCL_LIKE", "1")}
+    bed = testbed_cluster.up(directory, hosts=3, subnet=SESSION_SUBNET, session_env=nccl_like)
     try:
         # The exporters, as `make provision` leaves a cluster: the controller that follows a job reads its state
         # from them over HTTP, where a host without one costs a status playbook every poll (~2.5 CPU-s;

@@ -36,6 +36,8 @@ def _rank(rank: int, port: int, out: str) -> None:
         _refused(lambda: dist.all_reduce(torch.tensor([torch.ones(2, device=device).sum().item()]))),
         _refused(lambda: dist.all_gather([torch.zeros(2, device=device)] * 2, torch.zeros(2))),
         _refused(lambda: dist.broadcast(torch.zeros(3, device="cpu"), src=0)),
+        _refused(lambda: dist.gather(torch.zeros(2, device=device), [torch.zeros(2)] * 2)),  # the gather_list
+        _refused(lambda: dist.broadcast_object_list([rank], src=0, device=torch.device("cpu"))),
         # the gloo control group beside NCCL carries CPU tensors only
         _refused(lambda: dist.all_reduce(torch.zeros(1, device=device), group=comm.control_group())),
     ]
@@ -60,7 +62,7 @@ def test_a_collective_given_a_host_tensor_fails_on_cpu_naming_the_line(
     out = tmp_path / "refusals.txt"
     spawn(_rank, 2, str(out))
     refusals = out.read_text().splitlines()
-    assert len(refusals) == 6
+    assert len(refusals) == 8
     assert all("on a GPU host this fails" in r and "test_devicecheck.py:" in r for r in refusals)
     assert "made on the host (CPU)" in refusals[0] and "NCCL carries CUDA tensors only" in refusals[0]
     assert "gloo control group carries CPU" in refusals[-1]
@@ -76,13 +78,34 @@ def test_train_makes_every_tensor_collective_through_comm() -> None:
     collective elsewhere in train/ fails here before it fails on a GPU cluster."""
     around = []
     for path in sorted((REPO / "train").rglob("*.py")):
-        if path.name in ("comm.py", "devicecheck.py"):
+        if path.name in ("comm.py", "devicecheck.py", "nccl_like.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (
                 isinstance(node, ast.Attribute)
-                and node.attr in devicecheck.CHECKED
+                and node.attr in (*devicecheck.TENSOR_CALLS, "batch_isend_irecv", "P2POp")
                 and getattr(node.value, "id", "") == "dist"
             ):
                 around.append(f"{path.relative_to(REPO)}:{node.lineno} dist.{node.attr}")
     assert not around, f"collectives that go around train/dist/comm.py: {around}"
+
+
+def test_train_reads_collective_results_only_through_comm() -> None:
+    """A collective's result is read in one way (train/dist/comm.py ``result``/``then``: after the work's wait). A
+    future made by hand without its devices orders nothing on CUDA, and a work's future handed on elsewhere is
+    complete on NCCL before the result is there."""
+    found = []
+    for path in sorted((REPO / "train").rglob("*.py")):
+        if path.name in ("comm.py", "nccl_like.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "get_future":
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} .get_future")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "Future"
+                and not any(k.arg == "devices" for k in node.keywords)
+            ):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} a Future without its devices")
+    assert not found, f"results read around train/dist/comm.py: {found}"

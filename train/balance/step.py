@@ -63,11 +63,12 @@ def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+def _summed(value: torch.Tensor) -> list[float]:
+    """``value`` summed over every rank, read on the host once the all-reduce has written it (train/dist/comm.py);
+    a lost peer ends the wait at once (train/recovery/regroup.py), not at the collective timeout."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # A lost peer fails it at once (train/recovery/regroup.py), not at the collective timeout.
-        regroup.wait(comm.all_reduce(value, async_op=True))
-    return value
+        return regroup.result(comm.all_reduce(value, async_op=True), lambda: value.reshape(-1).tolist())
+    return value.reshape(-1).tolist()
 
 
 class Event(Protocol):
@@ -187,7 +188,7 @@ def exchange(counted_tokens: int, clock: StepClock) -> int:
     stats[1 + rank] = clock.last_compute_s
     stats[1 + world + rank] = clock.last_tokens
     stats[-1] = door.waiting()
-    values = _all_reduce_sum(stats).tolist()
+    values = _summed(stats)
     clock.gathered, clock.gathered_tokens = values[1 : 1 + world], values[1 + world : 1 + 2 * world]
     door.announced(int(values[-1]))
     return int(values[0])
@@ -221,8 +222,7 @@ def backward(
         loss_sum += loss.detach().double()
     clock.end()
     clock.last_tokens = own_tokens
-    global_loss = _all_reduce_sum(loss_sum) / max(total, 1)
-    return float(global_loss.item()), total
+    return _summed(loss_sum)[0] / max(total, 1), total
 
 
 def clip(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:

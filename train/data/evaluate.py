@@ -61,8 +61,8 @@ def loss(model: torch.nn.Module, held_out: HeldOut, info: RankInfo, batch_size: 
         total[1] += label_tokens(batch)
     if dist.is_available() and dist.is_initialized() and info.world_size > 1:
         reduced = total.to(comm.carrier())
-        regroup.wait(comm.all_reduce(reduced, async_op=True))  # a lost peer fails it at once, as in a step
-        total = reduced.cpu()
+        # Read once the all-reduce has written it; a lost peer ends the wait at once, as in a step.
+        total = regroup.result(comm.all_reduce(reduced, async_op=True), reduced.cpu)
     model.train(was_training)
     tokens = int(total[1])
     return (float(total[0]) / tokens if tokens else float("nan")), tokens

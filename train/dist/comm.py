@@ -1,4 +1,5 @@
-"""Collectives and point-to-point calls, and the one rule of which device their tensors live on.
+"""Collectives and point-to-point calls: the one rule of which device their tensors live on, and the one way a
+collective's result is read.
 
 A group's backend decides: NCCL (the default group on GPU hosts, and every group made beside it without a
 backend) carries CUDA tensors of the rank's device only; gloo (the default group on CPU, the control group made
@@ -7,17 +8,31 @@ beside NCCL for barriers and Python objects) carries CPU tensors. ``carrier(grou
 the group's backend would not carry: NCCL's own error ("No backend type associated with device type cpu") names
 neither. Code in ``train/`` makes its collectives here (tests/test_devicecheck.py reads train/ for calls that go
 around it); under ``UGRO_CHECK_DEVICES=1`` the same refusal happens on CPU, where NCCL would (train/dist/devicecheck.py).
+
+When a result may be read: an NCCL work's future is complete as soon as the collective is *queued*; only
+``work.wait()`` (or a wait on the work's own future, or a ``then`` of it) orders the current stream after NCCL's.
+So a result is read through ``result`` (on the host: the work's wait, then the read) or ``then`` (a DDP hook: the
+work's own future, whose callback waits on the work before it hands the tensor on), and nowhere else; a future made
+by hand carries no CUDA events and orders nothing. Under ``UGRO_NCCL_LIKE=1`` (train/dist/nccl_like.py, every test
+rank) a result lands only at ``work.wait()``, so a read any other way reads stale figures in the tests too.
+
+Sends and receives between two ranks go through ``exchange`` only: one ``batch_isend_irecv``, so that a send and a
+receive that must progress together do (NCCL: a large send completes only when its receive is posted).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
-from train.dist import devicecheck
+from train.dist import devicecheck, nccl_like
+
+T = TypeVar("T")
 
 _CONTROL: list[dist.ProcessGroup] = []
 
@@ -26,11 +41,17 @@ def _nccl(group: dist.ProcessGroup | None) -> bool:
     return dist.is_initialized() and dist.get_backend(group) == dist.Backend.NCCL
 
 
+def nccl_semantics(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group`` (None: the default one) completes, orders and fails as NCCL does: NCCL itself, or the test
+    backend that behaves like it (train/dist/nccl_like.py). Such groups are aborted, never destroyed, when broken."""
+    return _nccl(group) or nccl_like.ours(group)
+
+
 def control_group() -> dist.ProcessGroup | None:
     """The gloo group for monitored barriers and gathers of Python objects: the default group (None) on CPU, a gloo
     group beside NCCL on GPUs (and under the device checker, whose default group stands for NCCL). Every rank
     calls it at the same point the first time (making a group is collective)."""
-    if not _nccl(None) and not devicecheck.installed():
+    if not nccl_semantics(None) and not devicecheck.installed():
         return None
     if not _CONTROL:
         _CONTROL.append(dist.new_group(backend="gloo"))
@@ -99,16 +120,66 @@ def broadcast(value: torch.Tensor, src: int, group: dist.ProcessGroup | None = N
     dist.broadcast(value, src=src, group=group)
 
 
-def send(value: torch.Tensor, dst: int) -> None:
-    check("send", value, None)
-    dist.send(value, dst=dst)
+def exchange(
+    sends: Sequence[tuple[torch.Tensor, int]] = (), receives: Sequence[tuple[torch.Tensor, int]] = ()
+) -> list[dist.Work]:
+    """Queue ``sends`` ((tensor, global rank)) and ``receives`` ((buffer, global rank)) of the default group as one
+    batch that progresses together (NCCL's group call: a send to a neighbour and the receive from it cannot wait on
+    each other). The works: wait on every one (``result``) before a receive's buffer is read or a send's tensor is
+    reused. The only point-to-point call in train/."""
+    check("batch_isend_irecv", [t for t, _ in (*sends, *receives)], None)
+    ops = [dist.P2POp(c10d.isend, tensor, peer) for tensor, peer in sends]
+    ops += [dist.P2POp(c10d.irecv, buffer, peer) for buffer, peer in receives]
+    return list(dist.batch_isend_irecv(ops)) if ops else []
 
 
-def isend(value: torch.Tensor, dst: int) -> dist.Work | None:
-    check("isend", value, None)
-    return dist.isend(value, dst=dst)
+def result(works: dist.Work | Sequence[dist.Work] | None, read: Callable[[], T],
+           broken: threading.Event | None = None) -> T:  # fmt: skip
+    """The one way to read collectives' results on the host: wait on each work (NCCL: the current stream waits for
+    NCCL's; the test backend: the result lands now), then ``read``. On gloo the wait is on the work's future in
+    Python, so that a signal (a stop's SIGTERM) and ``broken`` (set when the group is declared broken) reach the
+    caller; a group with NCCL's semantics is aborted instead (train/recovery/regroup.py ``Watcher.fail``), which
+    ends its wait with an error. ``BrokenGroup`` when ``broken`` was set."""
+    for work in [works] if isinstance(works, dist.Work) else (works or ()):
+        try:
+            future = work.get_future()  # NCCL's and the test backend's: complete already
+        except RuntimeError:
+            future = None  # gloo's sends and receives have none: their wait blocks
+        if future is not None:
+            done = threading.Event()
+            future.add_done_callback(lambda _: done.set())
+            while not done.wait(0.05):
+                if broken is not None and broken.is_set():
+                    raise BrokenGroup("the group was declared broken while a collective was under way")
+        work.wait()
+    value = read()
+    if broken is not None and broken.is_set():  # NCCL: the read returned because the communicator was aborted
+        raise BrokenGroup("the group was declared broken while a collective's result was read")
+    return value
 
 
-def recv(buffer: torch.Tensor, src: int) -> None:
-    check("recv", buffer, None)
-    dist.recv(buffer, src=src)
+def then(work: dist.Work | None, read: Callable[[], T]) -> torch.futures.Future[T]:
+    """A future of ``read()`` after ``work`` (for DDP's communication hooks): a ``then`` of the work's own future
+    (CUDA-aware on NCCL), whose callback waits on the work before it reads."""
+
+    assert work is not None, "then: the collective must be started with async_op=True"
+
+    def landed(_: torch.futures.Future[Any]) -> T:
+        work.wait()
+        return read()
+
+    return work.get_future().then(landed)
+
+
+class BrokenGroup(RuntimeError):
+    """A wait ended because the group was declared broken (train/recovery/regroup.py turns it into GroupLost)."""
+
+
+def abort_all() -> None:
+    """Abort every group with NCCL's semantics (``ncclCommAbort``): their waits end with an error. From any thread:
+    the world's registry is left as it is (``regroup.leave`` clears it on the rank's own thread)."""
+    if not dist.is_initialized():
+        return
+    for group in list(c10d._world.pg_names):
+        if nccl_semantics(group):
+            group.abort()

@@ -40,10 +40,16 @@ _MARK = "_ugro_lives_on"
 _DEVICE_PROPERTY = torch._C.TensorBase.__dict__["device"]
 _OURS = (Path(__file__), Path(__file__).with_name("comm.py"))  # not the caller a refusal names
 
-# Every tensor-carrying collective and point-to-point call of torch.distributed.
-CHECKED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
-           "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "gather",
-           "scatter")  # fmt: skip
+# Every tensor-carrying collective and point-to-point call of torch.distributed; and the object collectives, whose
+# only device is the one they are told to use (by default the one torch picks for the group's backend).
+TENSOR_CALLS = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
+                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+                "gather", "scatter")  # fmt: skip
+OBJECT_CALLS = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+CHECKED = TENSOR_CALLS + OBJECT_CALLS
+# The arguments that carry tensors, by keyword (positionally: the first two).
+TENSOR_KEYWORDS = ("tensor", "tensor_list", "output_tensor_list", "input_tensor_list", "output_tensor", "input_tensor",
+                   "output", "input", "gather_list", "scatter_list")  # fmt: skip
 
 
 class WrongDevice(RuntimeError):
@@ -132,6 +138,11 @@ def _mark(tensor: Any, where: str | None) -> None:
             setattr(tensor, _MARK, where)
 
 
+def _marked(tensor: torch.Tensor, where: str) -> torch.Tensor:
+    _mark(tensor, where)
+    return tensor
+
+
 def caller() -> str:
     """The first frame outside torch and this module: the line that made the call."""
     for frame in reversed(traceback.extract_stack()[:-2]):
@@ -170,8 +181,13 @@ def check(call: str, tensors: Any, group: Any) -> None:
 def _checked(call: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        tensors = [a for a in args[:2] if isinstance(a, torch.Tensor | list)]
-        tensors += [kwargs[k] for k in ("tensor", "tensor_list", "output_tensor_list", "input_tensor") if k in kwargs]
+        if call.endswith(("_object", "_object_list")):  # Python objects: only an explicit device can be wrong
+            where = _named_device(kwargs["device"]) if kwargs.get("device") is not None else None
+            if where is not None and where != carries(kwargs.get("group")):
+                check(f"torch.distributed.{call}", [_marked(torch.empty(0), where)], kwargs.get("group"))
+            return original(*args, **kwargs)
+        tensors = [a for a in args[:3] if isinstance(a, torch.Tensor | list)]  # gather/scatter: (tensor, list, ...)
+        tensors += [kwargs[k] for k in TENSOR_KEYWORDS if isinstance(kwargs.get(k), torch.Tensor | list)]
         check(f"torch.distributed.{call}", tensors, kwargs.get("group"))
         return original(*args, **kwargs)
 

@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from train.dist import comm, devicecheck
+from train.dist import comm, devicecheck, nccl_like
 from train.recovery import regroup
 from train.config import ConfigError, JobConfig
 from train.balance.step import StepClock
@@ -46,10 +45,11 @@ def init(timeout_s: int) -> RankInfo:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
-    elif devicecheck.install():  # tests: the default group stands for NCCL, the rank's device for its GPU
-        device, backend = devicecheck.RANK_DEVICE, "gloo"
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        # Tests: the default group behaves as NCCL does (train/dist/nccl_like.py), and under the device checker the
+        # rank's device stands for its GPU (train/dist/devicecheck.py).
+        device = devicecheck.RANK_DEVICE if devicecheck.install() else torch.device("cpu")
+        backend = cpu_backend()
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
         kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
         if device.type == "cuda":
@@ -64,6 +64,11 @@ def init(timeout_s: int) -> RankInfo:
     main_rank, hosts, stores = _roll_call(host, rank, local_rank, world)
     attempt = int(os.environ.get("UGRO_ATTEMPT", "0"))
     return RankInfo(rank, local_rank, world, host, device, main_rank, hosts, attempt, stores)
+
+
+def cpu_backend() -> str:
+    """gloo, or in the tests the backend that behaves as NCCL does (``UGRO_NCCL_LIKE=1``)."""
+    return nccl_like.install() or "gloo"
 
 
 _SERVERS: list[regroup.StoreServer] = []
@@ -116,7 +121,7 @@ def _form(info: RankInfo, generation: int, rank: int, hosts: tuple[str, ...], ma
     """Form the group of ``hosts`` (every rank's host) through ``main``'s store, as its rank ``rank``: this rank's
     new place."""
     store = _store_of(info, main, stores, timeout_s)
-    backend = "nccl" if info.device.type == "cuda" else "gloo"
+    backend = "nccl" if info.device.type == "cuda" else cpu_backend()
     comm.forget_control_group()
     regroup.form(backend, store, info.attempt, generation, rank, len(hosts), timeout_s, info.device, kind)
     comm.control_group()  # the new group's, made while every member is here
@@ -223,15 +228,29 @@ class _HookState:
 
 
 def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: note that this rank's gradients are ready, then all-reduce them (averaged)."""
+    """DDP communication hook: note that this rank's gradients are ready, then all-reduce them (averaged).
+
+    DDP reads the bucket when the returned future completes: a ``then`` of the all-reduce's own future whose callback
+    waits on the work first (``comm.then``), so that the bucket is read after NCCL wrote it. torch's default hooks
+    hand the work's future on without that wait, which NCCL makes right through CUDA streams but the test backend
+    does not (train/dist/nccl_like.py: stricter, a result lands only at ``work.wait()``)."""
     # On CUDA the lap records an event on this thread's current stream. DDP calls the hook from autograd's
     # device thread, whose current stream is the one the backward kernels of this bucket were queued on, so the
     # event completes exactly when the GPU has computed the bucket's gradients, before the all-reduce (queued
     # next, on NCCL's stream) and its wait for slower ranks.
     state.clock.lap()
-    hook = default_hooks.bf16_compress_hook if state.compress else default_hooks.allreduce_hook
-    # A new membership fails the wait at once: DDP would otherwise wait for a lost peer until the timeout.
-    return regroup.abandonable(hook(state.process_group, bucket))  # type: ignore[arg-type]
+    regroup.intact()  # a group declared broken takes no new collective (its NCCL groups are aborted already)
+    buffer = bucket.buffer()
+    world = dist.get_world_size(state.process_group)
+    if not state.compress:
+        buffer.div_(world)
+        return comm.then(comm.all_reduce(buffer, group=state.process_group, async_op=True), lambda: buffer)
+    compressed = buffer.to(torch.bfloat16).div_(world)
+
+    def decompressed() -> torch.Tensor:
+        return buffer.copy_(compressed)
+
+    return comm.then(comm.all_reduce(compressed, group=state.process_group, async_op=True), decompressed)
 
 
 # DDP inspects the hook's annotations as objects; `from __future__ import annotations` left strings.
@@ -312,8 +331,8 @@ def check_gradients_agree(params: list[torch.nn.Parameter], info: RankInfo, back
         if param.grad is not None:
             squares += param.grad.detach().double().pow(2).sum()
     everyone = [comm.zeros((), torch.float64) for _ in range(info.world_size)]
-    regroup.wait(comm.all_gather(everyone, squares, async_op=True))
-    norms = [float(t) ** 0.5 for t in everyone]
+    gathered = regroup.result(comm.all_gather(everyone, squares, async_op=True), lambda: [float(t) for t in everyone])
+    norms = [value**0.5 for value in gathered]
     if max(norms) - min(norms) <= 1e-6 * max(max(norms), 1e-12):
         return
     shown = ", ".join(

@@ -139,7 +139,6 @@ class Pipelined(_Engine):
             self.backend = "hf"
         self.named = pipeline.named_trainable(self.model, self.stage.start)
         self.trainable = [p for _, p in self.named]
-        self.sync = pipeline.GradSync(self.named, info.rank, info.world_size)
         hidden = int(self.model.get_base_model().config.hidden_size)
         self.runner = pipeline.StageRunner(self.model, self.where, hidden, DTYPES[job.model.dtype], info.device)
         self.batch_rank = self.where.replica
@@ -149,6 +148,9 @@ class Pipelined(_Engine):
         raise RuntimeError("a pipeline's stages cannot regroup in place; the controller relaunches from a checkpoint")
 
     def start(self, saved_plan: dict[str, Any] | None) -> str:
+        # Collective (it makes groups): after the "loaded" wait, which allows each host its own loading time; made in
+        # the build, a host that loaded for longer than distributed.timeout_s ended the run.
+        self.sync = pipeline.GradSync(self.named, self.info.rank, self.info.world_size)
         self.balancer = Balancer(self.job, self.info, saved_plan, self.layout)
         stage = f"stage {self.where.stage + 1}/{self.where.stages} of replica {self.where.replica}"
         sizes = self.balancer.micro_sizes()

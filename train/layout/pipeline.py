@@ -8,6 +8,13 @@ Schedule: one-forward-one-backward. Stage s of S first runs S - s - 1 forwards, 
 and a backward, then drains the backwards; so a stage holds the activations of at most S - s micro-batches
 instead of all of them (GPipe), and the cut adds only the bubble of (S - 1) micro-batch times per step.
 
+Messages: in the steady part a stage sends a forward's output to the next stage and receives the gradient of an
+earlier one from it, while the next stage does the opposite. On NCCL a send larger than its buffers completes only
+when the peer has posted the receive, and operations to one peer run in order: two neighbours that each queued
+their send first would wait on each other until the watchdog ends the run. So each exchange with a neighbour is one
+batch of its send and its receive (``comm.exchange``, as Megatron's ``send_forward_recv_backward``), waited on as a
+whole before the next.
+
 Exact: the last stage backpropagates (1 / T) x the summed token losses, T being the label tokens of the
 whole global batch (all replicas). The LoRA gradients of a layer are then *summed* over the ranks that
 hold it, one per replica (``GradSync``), which gives every holder the gradient of the mean token loss over
@@ -17,8 +24,7 @@ gradient, each parameter counted once, so every rank scales alike.
 Why not ``torch.distributed.pipelining``: its schedules need one fixed micro-batch shape for every stage
 and step and scale each micro-batch's loss by the micro-batch count, while here replicas take unequal
 shares cut into unequal micro-batches and the loss is weighted by label tokens across all replicas; and
-its stage splitting does not know peft's wrapped layers. The sends below are a few lines of
-``torch.distributed.isend/recv``.
+its stage splitting does not know peft's wrapped layers. The messages below are a few batched sends and receives.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from train.dist import comm
 from train.layout import stagemodel
 from train.layout.topology import Where
 from train.model import headloss
+from train.recovery import regroup
 
 
 @dataclass
@@ -48,7 +55,6 @@ class StageRunner:
     hidden_size: int
     dtype: torch.dtype
     device: torch.device
-    sends: list[Any] = field(default_factory=list)
     sent_bytes: int = 0  # hidden states and their gradients this stage has sent
     step_bytes: int = 0  # of that, what the training steps sent
     steps: int = 0  # training steps done in this process
@@ -58,25 +64,41 @@ class StageRunner:
         if self.where.last:
             self.head = headloss.head(self.model)
 
-    def _recv(self, shape: tuple[int, ...], src: int) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
-        comm.recv(buffer, src=src)
-        return buffer
+    def _pass(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
+              recv_next: tuple[int, ...] | None = None, recv_prev: tuple[int, ...] | None = None,
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        """One exchange with the neighbours, as one batch waited on as a whole: send hidden states (or their
+        gradients) and receive tensors of the given shapes. Returns (from the previous stage, from the next)."""
+        where = self.where
+        sends: list[tuple[torch.Tensor, int]] = []
+        for tensor, peer in ((send_next, where.next), (send_prev, where.prev)):
+            if tensor is not None and peer is not None:
+                payload = tensor.detach().to(self.dtype).contiguous()
+                sends.append((payload, peer))
+                self.sent_bytes += payload.numel() * payload.element_size()
+        buffers: list[torch.Tensor | None] = []
+        receives: list[tuple[torch.Tensor, int]] = []
+        for shape, peer in ((recv_prev, where.prev), (recv_next, where.next)):
+            buffer = None
+            if shape is not None and peer is not None:
+                buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+                receives.append((buffer, peer))
+            buffers.append(buffer)
+        if sends or receives:
+            regroup.wait(comm.exchange(sends, receives))  # the payloads live until every send is done
+        return buffers[0], buffers[1]
 
-    def _send(self, tensor: torch.Tensor, dst: int) -> None:
-        payload = tensor.detach().to(self.dtype).contiguous()
-        self.sends.append((comm.isend(payload, dst=dst), payload))  # the payload lives until the send is done
-        self.sent_bytes += payload.numel() * payload.element_size()
+    def _receive_forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The previous stage's hidden states for ``batch`` (None on the first stage)."""
+        if self.where.first:
+            return None
+        inputs, _ = self._pass(recv_prev=(*batch["input_ids"].shape, self.hidden_size))
+        assert inputs is not None
+        return inputs.requires_grad_(True)
 
-    def _finish_sends(self) -> None:
-        for work, _ in self.sends:
-            work.wait()
-        self.sends.clear()
-
-    def forward(
-        self, batch: dict[str, torch.Tensor], clock: StepClock | None = None, logits: bool = False
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Receive (or embed) one micro-batch, run the stage; (its input when it needs a gradient, output).
+    def _compute(self, batch: dict[str, torch.Tensor], inputs: torch.Tensor | None, clock: StepClock | None,
+                 logits: bool = False) -> torch.Tensor:  # fmt: skip
+        """Run the stage on one micro-batch (its received ``inputs``, or the token ids on the first stage).
 
         The last stage's output is its final hidden states, which ``summed_loss`` takes the loss from, or the
         logits where ``logits`` asks for them or the loss needs them (``head`` None: train/model/headloss.py).
@@ -85,23 +107,23 @@ class StageRunner:
         emulated device would (a third of the micro-batch's device time forward, two thirds backward), before
         the result leaves for the next stage.
         """
-        where = self.where
-        inputs: torch.Tensor | None = None
-        if not where.first:
-            assert where.prev is not None
-            rows, width = batch["input_ids"].shape
-            inputs = self._recv((rows, width, self.hidden_size), where.prev).requires_grad_(True)
         if clock is not None:
             clock.waited()  # the emulated device starts once the input is here
             clock.work(batch["input_ids"].numel() / 3)
         feed = batch["input_ids"] if inputs is None else inputs
-        out = stagemodel.forward(self.model, feed, batch, where.first, where.last, logits or self.head is None)
+        out = stagemodel.forward(
+            self.model, feed, batch, self.where.first, self.where.last, logits or self.head is None
+        )
         if clock is not None:
             clock.lap()
-        if not where.last:
-            assert where.next is not None
-            self._send(out, where.next)
-        return inputs, out
+        return out
+
+    def forward(self, batch: dict[str, torch.Tensor], logits: bool = False) -> torch.Tensor:
+        """Forward only (held-out loss, samples): receive, run the stage, pass the output on; the output."""
+        out = self._compute(batch, self._receive_forward(batch), None, logits)
+        if not self.where.last:
+            self._pass(send_next=out)
+        return out
 
     def summed_loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's summed token loss from its ``forward`` output (hidden states, or logits)."""
@@ -109,52 +131,56 @@ class StageRunner:
             return logits_loss(out, labels)
         return headloss.summed_loss(self.head, out, labels)
 
-    def backward(self, inputs: torch.Tensor | None, out: torch.Tensor, clock: StepClock, tokens: int) -> None:
-        """Backpropagate one micro-batch (``out`` is the scaled loss on the last stage) and pass the gradient back."""
-        grad = None
-        if not self.where.last:
-            assert self.where.next is not None
-            grad = self._recv(tuple(out.shape), self.where.next)
-        clock.waited()
-        clock.work(2 * tokens / 3)
-        out.backward(grad)
-        clock.lap()
-        if inputs is not None:
-            assert self.where.prev is not None and inputs.grad is not None
-            self._send(inputs.grad, self.where.prev)
-
     def step(self, micro_batches: Sequence[dict[str, torch.Tensor]], clock: StepClock) -> tuple[float, int]:
         """Accumulate this stage's token-weighted gradients of the step; return (global mean loss, T)."""
         before = self.sent_bytes
+        where = self.where
         own = sum(label_tokens(mb) for mb in micro_batches)
-        total = exchange(own if self.where.last else 0, clock)
+        total = exchange(own if where.last else 0, clock)
         scale = 1.0 / max(total, 1)
         clock.begin()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        pending: deque[tuple[torch.Tensor | None, torch.Tensor, int]] = deque()
-        warmup = min(self.where.stages - self.where.stage - 1, len(micro_batches))
+        pending: deque[tuple[torch.Tensor | None, torch.Tensor, int]] = deque()  # (inputs, output, tokens)
+        count = len(micro_batches)
+        warmup = min(where.stages - where.stage - 1, count)
 
-        def forward(batch: dict[str, torch.Tensor]) -> None:
+        def forward(batch: dict[str, torch.Tensor], inputs: torch.Tensor | None) -> torch.Tensor | None:
+            """Run one micro-batch forward; the output to send on (None on the last stage)."""
             nonlocal loss_sum
-            inputs, out = self.forward(batch, clock)
-            if self.where.last:
+            out = self._compute(batch, inputs, clock)
+            if where.last:
                 loss = self.summed_loss(out, batch["labels"])
                 loss_sum += loss.detach().double()
                 out = loss * scale
             pending.append((inputs, out, batch["input_ids"].numel()))
+            return None if where.last else out
 
-        def backward() -> None:
+        def backward(grad: torch.Tensor | None) -> torch.Tensor | None:
+            """Backpropagate the oldest micro-batch; the gradient of its inputs to send back (None on the first)."""
             inputs, out, tokens = pending.popleft()
-            self.backward(inputs, out, clock, tokens)
+            clock.waited()
+            clock.work(2 * tokens / 3)
+            out.backward(grad)
+            clock.lap()
+            return None if inputs is None else inputs.grad
+
+        def oldest_shape() -> tuple[int, ...] | None:
+            return None if where.last else tuple(pending[0][1].shape)
 
         for batch in micro_batches[:warmup]:
-            forward(batch)
-        for batch in micro_batches[warmup:]:
-            forward(batch)
-            backward()
-        while pending:
-            backward()
-        self._finish_sends()
+            self._pass(send_next=forward(batch, self._receive_forward(batch)))
+        inputs = self._receive_forward(micro_batches[warmup]) if warmup < count else None
+        for index in range(warmup, count):
+            out = forward(micro_batches[index], inputs)
+            _, grad = self._pass(send_next=out, recv_next=oldest_shape())  # send_forward_recv_backward
+            following = micro_batches[index + 1] if index + 1 < count else None
+            shape = None if following is None else (*following["input_ids"].shape, self.hidden_size)
+            inputs, _ = self._pass(send_prev=backward(grad), recv_prev=shape)  # send_backward_recv_forward
+            if inputs is not None:
+                inputs.requires_grad_(True)
+        for _ in range(warmup):
+            _, grad = self._pass(recv_next=oldest_shape())
+            self._pass(send_prev=backward(grad))
         self.step_bytes += self.sent_bytes - before
         self.steps += 1
         clock.end()
@@ -168,11 +194,10 @@ class StageRunner:
         """Forward only (held-out loss): summed token loss and label tokens of ``batches`` on the last stage."""
         summed, tokens = 0.0, 0
         for batch in batches:
-            _, out = self.forward(batch)
+            out = self.forward(batch)
             if self.where.last:
                 summed += float(self.summed_loss(out, batch["labels"]))
                 tokens += label_tokens(batch)
-        self._finish_sends()
         return summed, tokens
 
     @torch.no_grad()
@@ -187,16 +212,14 @@ class StageRunner:
         ids = prompt
         new: list[int] = []
         for _ in range(max_new_tokens):
-            _, out = self.forward({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, logits=True)
-            self._finish_sends()
+            out = self.forward({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, logits=True)
             message = comm.zeros(2, torch.long)
             if self.where.last:
                 token = int(out[0, -1].argmax())
                 message[0], message[1] = token, int(token in stop_ids)
-                for rank in group[:-1]:
-                    comm.send(message, dst=rank)
+                regroup.wait(comm.exchange(sends=[(message, rank) for rank in group[:-1]]))
             else:
-                comm.recv(message, src=group[-1])
+                regroup.wait(comm.exchange(receives=[(message, group[-1])]))
             token, stop = int(message[0]), bool(message[1])
             if stop:
                 break

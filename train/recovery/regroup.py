@@ -9,8 +9,10 @@ all-reduce completed, which needs every rank's part; a survivor that applied it 
 not). Nothing is redone and no checkpoint is read. A rank that hears nothing within ``distributed.regroup_timeout_s``
 fails as before, and the controller relaunches from a checkpoint.
 
-A rank's place: ``Watcher`` (a thread reading the membership file), ``abandonable`` (a collective's future that a
-new membership fails at once, so that no rank waits for a dead peer until the collective timeout), ``rejoin``.
+A rank's place: ``Watcher`` (a thread reading the membership file; a new membership, a silent peer or a failed
+collective declares the group broken: its NCCL groups are aborted and every wait ends at once, so that no rank waits
+for a dead peer until the collective timeout), ``wait`` (a collective's result, read as train/dist/comm.py says,
+or GroupLost), ``rejoin``.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import pickle
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,7 @@ from train.dist import comm
 from train.recovery import failure
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MEMBERSHIP = "membership.json"
 POLL_S = 0.2
@@ -65,19 +69,19 @@ class Membership:
 
 
 class Watcher:
-    """Reads this host's membership file every POLL_S seconds; a newer generation fails every collective under way
-    (they may wait on a peer that is gone) and wakes a rank waiting in ``rejoin``."""
+    """Reads this host's membership file every POLL_S seconds; a newer generation breaks the group (``fail``) and
+    wakes a rank waiting in ``rejoin``."""
 
     def __init__(self, run_dir: Path, host: str) -> None:
         self.path = run_dir / "hosts" / host / MEMBERSHIP
         self.generation = 0  # the group this rank is in
         self.broken: str | None = None  # why the current group cannot be used any more
+        self.breaks = threading.Event()  # set with ``broken``: every wait (train/dist/comm.py ``result``) ends
         self._newest: Membership | None = None
-        # The collectives under way: the future a step waits on -> the collective's own.
-        self._pending: dict[torch.futures.Future[Any], torch.futures.Future[Any]] = {}
-        self.abandoned: list[torch.futures.Future[Any]] = []  # collectives of broken groups, maybe still pending
+        self._waiting: set[Any] = set()  # the works a wait is on now (gloo's, which no abort ends)
+        self.abandoned: list[Any] = []  # works of broken groups, maybe still pending
         self.history: list[dict[str, Any]] = []  # the regroups this rank went through (train/recovery/survivors.py)
-        self._lock = threading.RLock()  # a future's callbacks may track another
+        self._lock = threading.RLock()
         self._changed = threading.Event()
         self.path.unlink(missing_ok=True)  # a membership of an earlier launch is not this one's
         threading.Thread(target=self._watch, name="ugro-membership", daemon=True).start()
@@ -103,49 +107,26 @@ class Watcher:
                 self._changed.set()
 
     def fail(self, why: str) -> None:
-        """The current group is broken: every collective under way fails now."""
+        """The current group is broken: every wait on it ends now. Groups with NCCL's semantics are aborted (from
+        this thread, as NCCL's watchdog does): a collective of theirs waiting for a lost peer ends with an error,
+        and a host blocked reading its result is released. A gloo wait is left at once (``comm.result``)."""
         with self._lock:
+            first = self.broken is None
             self.broken = self.broken or why
-            pending, self._pending = self._pending, {}
-            self.abandoned += [inner for inner in pending.values() if not inner.done()]
-            for future in pending:
-                if not future.done():
-                    future.set_exception(GroupLost(why))
+            self.breaks.set()
+            self.abandoned += [work for work in self._waiting if not work.is_completed()]
+        if first:
+            comm.abort_all()
 
-    def track(self, inner: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
-        """A future that completes with ``inner``, or fails as soon as the group is declared broken."""
-        outer: torch.futures.Future[Any] = torch.futures.Future()
-        generation = self.generation
-
-        def done(fut: torch.futures.Future[Any]) -> None:
-            try:
-                value = fut.value()
-            except Exception as exc:  # the collective itself failed: a peer reset the connection
-                if generation == self.generation:  # not a collective an earlier group abandoned, failing late
-                    self.fail(f"a collective failed: {failure.one_line(exc)}")
-                with self._lock:
-                    self._pending.pop(outer, None)
-                    if not outer.done():
-                        outer.set_exception(GroupLost(failure.one_line(exc)))
-                return
-            with self._lock:
-                self._pending.pop(outer, None)
-                if not outer.done():
-                    outer.set_result(value)
-
+    def waiting(self, works: list[Any], on: bool) -> None:
         with self._lock:
-            if self.broken is not None:
-                outer.set_exception(GroupLost(self.broken))
-                return outer
-            self._pending[outer] = inner
-        inner.add_done_callback(done)
-        return outer
+            (self._waiting.update if on else self._waiting.difference_update)(works)
 
     def settle(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``, the collective timeout) until the collectives of broken groups have ended,
         so that the groups kept in ``_RETIRED`` can be destroyed at exit without waiting on them."""
         deadline = time.monotonic() + timeout_s
-        while any(not f.done() for f in self.abandoned) and time.monotonic() < deadline:
+        while any(not w.is_completed() for w in self.abandoned) and time.monotonic() < deadline:
             time.sleep(POLL_S)
 
     def newer(self, timeout_s: float) -> Membership | None:
@@ -165,6 +146,7 @@ class Watcher:
         with self._lock:
             self.generation = membership.generation
             self.broken = None
+            self.breaks.clear()
 
 
 class Heartbeat:
@@ -265,26 +247,43 @@ def watcher() -> Watcher | None:
     return _WATCHER[0] if _WATCHER else None
 
 
-def abandonable(inner: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
-    """``inner`` as a future a new membership can fail (unchanged when no watcher runs: a single-host run)."""
+def intact() -> None:
+    """GroupLost if the current group was declared broken (before a collective is queued on it)."""
     watch = watcher()
-    return inner if watch is None else watch.track(inner)
+    if watch is not None and watch.broken is not None:
+        raise GroupLost(watch.broken)
 
 
-def wait(work: dist.Work | None) -> None:
-    """Wait for a collective started with ``async_op=True``; GroupLost if it fails or the group is declared broken.
+def wait(works: dist.Work | list[dist.Work] | None) -> None:
+    """``result`` without a value: the collectives ended (their results, landed, are read by what follows)."""
+    result(works, lambda: None)
 
-    The wait is a ``threading.Event``'s, which a signal interrupts (``Future.wait`` blocks in C++ until the
-    collective ends): a rank waiting for a peer that a stop already ended still turns the stop's SIGTERM into
-    ``Stopped`` and records it (train/recovery/failure.py), instead of waiting until the peer's exit fails the
-    collective or torchrun kills it first."""
-    if work is None:
-        return
-    future = abandonable(work.get_future())
-    done = threading.Event()
-    future.add_done_callback(lambda _: done.set())
-    done.wait()
-    future.wait()  # complete: its value, or the collective's error
+
+def result(works: dist.Work | list[dist.Work] | None, read: Callable[[], T]) -> T:
+    """Wait for collectives started with ``async_op=True`` and read their result (``comm.result``: the one way);
+    GroupLost if one fails or the group is declared broken meanwhile.
+
+    The wait ends at once when the group is declared broken (``Watcher.fail``) and a signal reaches the rank while it
+    waits: a rank waiting for a peer that a stop already ended still turns the stop's SIGTERM into ``Stopped`` and
+    records it (train/recovery/failure.py), instead of waiting until the collective timeout or torchrun kills it."""
+    watch = watcher()
+    if watch is None:
+        return comm.result(works, read)
+    listed = [works] if isinstance(works, dist.Work) else list(works or [])
+    intact()
+    watch.waiting(listed, True)
+    try:
+        return comm.result(listed, read, watch.breaks)
+    except comm.BrokenGroup as exc:
+        raise GroupLost(watch.broken or str(exc)) from None
+    except Exception as exc:
+        if failure.kind_of(exc) != "collective" and watch.broken is None:
+            raise
+        if watch.broken is None:  # the collective itself failed: a peer reset the connection, or timed out
+            watch.fail(f"a collective failed: {failure.one_line(exc)}")
+        raise GroupLost(watch.broken or failure.one_line(exc)) from exc
+    finally:
+        watch.waiting(listed, False)
 
 
 def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
@@ -294,13 +293,14 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     world = dist.get_world_size(group)
     sizes = [comm.zeros(1, torch.int64, group) for _ in range(world)]
-    wait(comm.all_gather(sizes, comm.tensor([data.numel()], torch.int64, group), group, async_op=True))
-    longest = max(int(size) for size in sizes)
-    padded = comm.zeros(longest, torch.uint8, group)
+    work = comm.all_gather(sizes, comm.tensor([data.numel()], torch.int64, group), group, async_op=True)
+    lengths = result(work, lambda: [int(size) for size in sizes])
+    padded = comm.zeros(max(lengths), torch.uint8, group)
     padded[: data.numel()] = data
-    gathered = [comm.zeros(longest, torch.uint8, group) for _ in range(world)]
-    wait(comm.all_gather(gathered, padded, group, async_op=True))
-    return [pickle.loads(t[: int(n)].cpu().numpy().tobytes()) for t, n in zip(gathered, sizes, strict=True)]
+    gathered = [comm.zeros(max(lengths), torch.uint8, group) for _ in range(world)]
+    blobs = result(comm.all_gather(gathered, padded, group, async_op=True),
+                   lambda: [t[:n].cpu().numpy().tobytes() for t, n in zip(gathered, lengths, strict=True)])  # fmt: skip
+    return [pickle.loads(blob) for blob in blobs]
 
 
 def broken(exc: BaseException) -> bool:
@@ -365,7 +365,8 @@ def form(backend: str, store: dist.Store, attempt: int, generation: int, rank: i
     train/recovery/rejoin.py), each generation's keys apart in the store, so that a grow that failed half-way leaves
     nothing a regroup reads."""
     if dist.is_initialized():
-        retire(dist.group.WORLD)
+        for group in list(dist.distributed_c10d._world.pg_map):  # the default, control and pipeline groups
+            retire(group)
         leave(backend)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
     if device.type == "cuda":
@@ -376,7 +377,7 @@ def form(backend: str, store: dist.Store, attempt: int, generation: int, rank: i
 
 def leave(backend: str) -> None:
     """Leave every process group of the broken membership: NCCL's aborted, gloo's destroyed."""
-    if backend == dist.Backend.NCCL:
+    if backend == dist.Backend.NCCL or comm.nccl_semantics(None):  # or the test backend that behaves like NCCL
         dist.distributed_c10d._abort_process_group()  # every group, the control and pipeline ones too
     else:
         dist.destroy_process_group()
