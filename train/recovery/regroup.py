@@ -116,7 +116,10 @@ class Watcher:
             self.breaks.set()
             self.abandoned += [work for work in self._waiting if not work.is_completed()]
         if first:
-            comm.abort_all()
+            try:
+                comm.abort_all()
+            except Exception as exc:  # the rank's own thread may be replacing the groups: it leaves them itself
+                log.warning("could not abort the broken group's communicators: %s", failure.one_line(exc))
 
     def waiting(self, works: list[Any], on: bool) -> None:
         with self._lock:
