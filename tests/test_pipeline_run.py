@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import torch
-from helpers import REPO, Run, write_job
+from helpers import REPO, Run, run_env, torchrun_cmd, write_job
 
 from train.config import load_job
 from train.data import evaluate
@@ -81,6 +82,23 @@ def test_three_stages_train_resume_as_two_and_leave_one_adapter_for_the_whole_ba
     again = {row["step"]: row["loss"] for row in read_metrics(resumed)}
     for step in (4, 5, 6):
         assert abs(again[step] - losses[step]) <= 1e-4 * abs(losses[step]), (step, again[step], losses[step])
+
+
+def test_a_stage_host_that_loads_for_longer_than_the_collective_timeout_still_starts(
+    tmp_path: Path, torchrun: Run
+) -> None:
+    """Each host loads in its own time (``distributed.startup_timeout_s``); only after that do collectives wait at most
+    ``distributed.timeout_s``. The stages' gradient groups are made after the "loaded" wait: made while the model
+    loaded, a stage that loaded 8 s longer than the 3 s timeout ended the run at start-up."""
+    job = write_job(tmp_path / "job.yaml", train={"max_steps": 1, "global_batch_size": 2}, eval=None,
+                    parallel={"stages": 2}, distributed={"timeout_s": 3})  # fmt: skip
+    argv = [
+        "tests.fixtures.faulty_worker" if arg == "train.worker" else arg for arg in torchrun_cmd(job, tmp_path / "run")
+    ]
+    result = subprocess.run(argv, cwd=REPO, env=run_env() | {"UGRO_TEST_SLOW_LOAD": "1:8"}, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["state"] == "finished"
 
 
 def test_a_stage_of_the_real_model_reads_only_its_layers_and_computes_what_the_whole_model_does(
