@@ -140,3 +140,12 @@ def test_cli_reports_one_error_without_traceback(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "optim.learning_rate" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_float16_is_refused_with_what_to_set_instead(tmp_path: Path) -> None:
+    """float16 without loss scaling: the chunked loss's gradients underflow. One error before launch, and the fix."""
+    path = _write(tmp_path / "j.yaml", small_job(model={"dtype": "float16"}))
+    refusal = r"model.dtype: float16 trains.*underflow.*model.dtype: bfloat16.*float32"
+    with pytest.raises(ConfigError, match=refusal) as err:
+        load_job(path)
+    assert str(path) in str(err.value)

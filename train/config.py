@@ -41,6 +41,18 @@ class ModelConfig(_Strict):
     quantization: Literal["none", "4bit"] = "none"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
+    @field_validator("dtype")
+    @classmethod
+    def _not_float16(cls, value: str) -> str:
+        if value == "float16":
+            raise ValueError(
+                "model.dtype: float16 trains without loss scaling: the loss's gradients are scaled by about "
+                "1/tokens in the weights' dtype and underflow to zero in float16. Set model.dtype: bfloat16 (every "
+                "card from the RTX 30 series on, the reference cluster's included) or float32 (older cards without "
+                "bfloat16)"
+            )
+        return value
+
 
 class LoraConfig(_Strict):
     r: int = Field(16, gt=0)
