@@ -34,6 +34,7 @@ from train.config import ConfigError, JobConfig
 from train.data import templates
 from train.data.blocks import model_inputs
 from train.layout.topology import PIPELINE_TYPES, Stage
+from train.model import load
 
 LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 
@@ -199,9 +200,11 @@ def forward(
     hidden states, the head's input, with ``logits=False``: train/model/headloss.py takes the loss from them). ``batch``
     gives the rows' mask or, packed, their per-example positions (train/data/blocks.py ``model_inputs``)."""
     causal_lm = model.get_base_model()
-    given = model_inputs(batch) | {"use_cache": False}
-    given.pop("input_ids")
-    feed = {"input_ids": inputs} if first else {"inputs_embeds": inputs}
-    if last and logits:
-        return causal_lm(**feed, **given).logits  # type: ignore[no-any-return]
-    return causal_lm.model(**feed, **given).last_hidden_state  # type: ignore[no-any-return]
+    # A whole replica on unsloth (it loads through load_model): packed rows joined, with their lengths, or its
+    # attention lets the examples of a row see each other; the output is cut back into the rows.
+    joined = first and last and "position_ids" in batch and load.packs_by_lengths(model)
+    given = model_inputs(batch, by_lengths=joined) | {"use_cache": False}
+    ids = given.pop("input_ids")
+    feed = {"input_ids": ids if joined else inputs} if first else {"inputs_embeds": inputs}
+    out = causal_lm(**feed, **given).logits if last and logits else causal_lm.model(**feed, **given).last_hidden_state
+    return out.reshape(*inputs.shape[:2], -1) if joined else out  # type: ignore[no-any-return]
