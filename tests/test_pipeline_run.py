@@ -91,7 +91,7 @@ def test_a_stage_host_that_loads_for_longer_than_the_collective_timeout_still_st
     ``distributed.timeout_s``. The stages' gradient groups are made after the "loaded" wait: made while the model
     loaded, a stage that loaded 8 s longer than the 3 s timeout ended the run at start-up."""
     job = write_job(tmp_path / "job.yaml", train={"max_steps": 1, "global_batch_size": 2}, eval=None,
-                    parallel={"stages": 2}, distributed={"timeout_s": 3})  # fmt: skip
+                    schedule={"warmup_steps": 0}, parallel={"stages": 2}, distributed={"timeout_s": 3})  # fmt: skip
     argv = [
         "tests.fixtures.faulty_worker" if arg == "train.worker" else arg for arg in torchrun_cmd(job, tmp_path / "run")
     ]
