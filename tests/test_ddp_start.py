@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from train.config import ConfigError
@@ -73,9 +74,13 @@ def _rank(rank: int, port: int, out: str) -> None:
     distributed.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["nccl-like", "gloo"])
 def test_ranks_start_from_rank_0s_trainable_weights_and_keep_their_own_base(
-    tmp_path: Path, spawn: Callable[..., None]
+    tmp_path: Path, spawn: Callable[..., None], backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """On the backend that behaves as NCCL does, and on plain gloo, which CPU hosts run: there the all-reduce's
+    future completes on gloo's own thread, where the hook must not wait on the work (it would wait on itself)."""
+    monkeypatch.setenv("UGRO_NCCL_LIKE", "1" if backend == "nccl-like" else "0")
     spawn(_rank, WORLD, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for rank, seen in enumerate(ranks):

@@ -158,14 +158,19 @@ def result(works: dist.Work | Sequence[dist.Work] | None, read: Callable[[], T],
     return value
 
 
-def then(work: dist.Work | None, read: Callable[[], T]) -> torch.futures.Future[T]:
-    """A future of ``read()`` after ``work`` (for DDP's communication hooks): a ``then`` of the work's own future
-    (CUDA-aware on NCCL), whose callback waits on the work before it reads."""
-
+def then(
+    work: dist.Work | None, read: Callable[[], T], group: dist.ProcessGroup | None = None
+) -> torch.futures.Future[T]:
+    """A future of ``read()`` after ``work`` on ``group`` (for DDP's communication hooks): a ``then`` of the work's own
+    future (CUDA-aware on NCCL), whose callback waits on the work before it reads where the group has NCCL's
+    semantics. On gloo the future completes once the result is written, and its callback runs on gloo's own thread
+    before the work counts as complete: a wait on the work there would wait on itself."""
     assert work is not None, "then: the collective must be started with async_op=True"
+    wait = nccl_semantics(group)
 
     def landed(_: torch.futures.Future[Any]) -> T:
-        work.wait()
+        if wait:
+            work.wait()
         return read()
 
     return work.get_future().then(landed)

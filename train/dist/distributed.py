@@ -244,13 +244,15 @@ def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.future
     world = dist.get_world_size(state.process_group)
     if not state.compress:
         buffer.div_(world)
-        return comm.then(comm.all_reduce(buffer, group=state.process_group, async_op=True), lambda: buffer)
+        work = comm.all_reduce(buffer, group=state.process_group, async_op=True)
+        return comm.then(work, lambda: buffer, state.process_group)
     compressed = buffer.to(torch.bfloat16).div_(world)
 
     def decompressed() -> torch.Tensor:
         return buffer.copy_(compressed)
 
-    return comm.then(comm.all_reduce(compressed, group=state.process_group, async_op=True), decompressed)
+    work = comm.all_reduce(compressed, group=state.process_group, async_op=True)
+    return comm.then(work, decompressed, state.process_group)
 
 
 # DDP inspects the hook's annotations as objects; `from __future__ import annotations` left strings.
