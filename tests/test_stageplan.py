@@ -374,3 +374,22 @@ def test_the_plan_is_as_fast_as_the_best_of_every_layout(seed: int) -> None:
     assert layout.pipelined
     assert sum(r.speed for r in layout.replicas) == pytest.approx(best, rel=1e-3), (layout, best)
     assert all(s.peak_gib <= s.memory_gib for r in layout.replicas for s in r.stages)
+
+
+def test_unsloth_packing_counts_the_joined_rows_dense_attention() -> None:
+    """unsloth joins a packed micro-batch into one row and, without flash attention, attends over it densely: the
+    estimate grows with the square of the micro-batch's tokens (about 2 GiB a layer for Llama-3-8B at 4 x 1024), and
+    only there (transformers + peft keeps the rows apart; one row joins nothing)."""
+    job = load_job(LLAMA8)
+    local = job.rank_local.model_copy(update={"gradient_checkpointing": True})
+    job = _with(job, rank_local=local)
+    layers = LLAMA8_SHAPE.layers
+
+    def activations(micro: int, backend: str, packing: bool = True) -> float:
+        packed = _with(job, data=job.data.model_copy(update={"packing": packing}))
+        return estimate(LLAMA8_SHAPE, packed, layers, True, True, 1, "cuda", micro=micro, backend=backend).activations
+
+    dense = activations(4, "unsloth") - 4 * activations(1, "unsloth")
+    assert 1.8 < dense < 2.4  # GiB: the one layer recomputed at a time under checkpointing, and the mask
+    assert activations(4, "hf") == pytest.approx(4 * activations(1, "hf"))
+    assert activations(4, "unsloth", packing=False) == pytest.approx(4 * activations(1, "unsloth", packing=False))

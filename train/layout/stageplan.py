@@ -184,6 +184,20 @@ def _activation_elements(shape: ModelShape, job: JobConfig, device_kind: str, se
     return float(kept)
 
 
+def _joined_attention(shape: ModelShape, job: JobConfig, tokens: int, layers: int) -> float:
+    """Elements of unsloth's dense attention over a packed micro-batch joined into one row of ``tokens``.
+
+    unsloth joins a micro-batch's packed rows into one row (train/data/blocks.py ``model_inputs``); without flash
+    attention or xformers (the GPU lock has neither) it builds a dense mask over the joined row, and SDPA with
+    grouped-query attention and a mask runs its math kernel: the mask, and per layer the scores and their softmax,
+    heads x tokens² each, for every one of ``layers`` that keeps its activations (one under checkpointing). One row
+    joins nothing: the plain causal path, fused."""
+    if tokens <= job.data.seq_len:
+        return 0.0
+    kept = 1 if job.rank_local.gradient_checkpointing else layers
+    return float(tokens) * tokens * (1 + 2 * shape.heads * kept)
+
+
 def estimate(
     shape: ModelShape,
     job: JobConfig,
@@ -211,6 +225,8 @@ def estimate(
     * LoRA: r x (in + out) for every targeted linear (``all-linear``: q, k, v, o, gate, up, down; ``lm_head`` on
       the last stage), 16 bytes a parameter (fp32 weight, gradient, two Adam moments);
     * activations in ``model.dtype``: a micro-batch is ``micro`` (default: the rank's cap) x data.seq_len tokens;
+      with unsloth, packing and a micro-batch above one row, the joined row's dense attention (quadratic in the
+      micro-batch's tokens: docs/limitations.md);
       per layer and token ``_activation_elements`` without gradient checkpointing, only the layer's input with
       it (plus one layer's full set while it is recomputed; unsloth's checkpointing keeps the layers' inputs in
       the host's memory, not the card's); a 1F1B stage keeps ``in_flight`` micro-batches (the number of stages
@@ -245,6 +261,8 @@ def estimate(
     else:
         per_token = in_flight * layers * h + (full if layers else 0)
     activations = tokens * per_token * cb + (in_flight * tokens * h * cb if not first else 0)
+    if backend == "unsloth" and job.data.packing and device_kind == "cuda":
+        activations += _joined_attention(shape, job, tokens, in_flight * max(layers, 1)) * cb
     if not last:
         loss = 0.0
     elif shape.whole_logits:
