@@ -272,36 +272,38 @@ class NcclLike(dist.ProcessGroup):
         scratch = [t.detach().clone() for t in tensors]
         return self._queue("broadcast", tensors, list(zip(tensors, scratch)), lambda: self.gloo.broadcast(scratch, opts))
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> NcclWork:  # type: ignore[override]
+    def _into_rows(self, what: str, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                   start: Callable[[list[list[torch.Tensor]], list[torch.Tensor]], Any]) -> NcclWork:  # fmt: skip
+        """A collective whose outputs are rows of tensors (all_gather, gather), on copies."""
         scratch = [[torch.empty_like(o) for o in row] for row in outputs]
         sent = [t.detach().clone() for t in inputs]
         pairs = [(o, s) for row, srow in zip(outputs, scratch) for o, s in zip(row, srow)]
-        flat = [o for row in outputs for o in row]
-        return self._queue("all_gather", flat, pairs, lambda: self.gloo.allgather(scratch, sent, opts))
+        return self._queue(what, [o for row in outputs for o in row], pairs, lambda: start(scratch, sent))
+
+    def _from_rows(self, what: str, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                   start: Callable[[list[torch.Tensor], list[list[torch.Tensor]]], Any]) -> NcclWork:  # fmt: skip
+        """A collective whose inputs are rows of tensors (reduce_scatter, scatter), on copies."""
+        scratch = [torch.empty_like(o) for o in outputs]
+        sent = [[t.detach().clone() for t in row] for row in inputs]
+        return self._queue(what, outputs, list(zip(outputs, scratch)), lambda: start(scratch, sent))
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> NcclWork:  # type: ignore[override]
+        return self._into_rows("all_gather", outputs, inputs, lambda out, inp: self.gloo.allgather(out, inp, opts))
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> NcclWork:  # type: ignore[override]
+        return self._into_rows("gather", outputs, inputs, lambda out, inp: self.gloo.gather(out, inp, opts))
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> NcclWork:  # type: ignore[override]
+        return self._from_rows("reduce_scatter", outputs, inputs,
+                               lambda out, inp: self.gloo.reduce_scatter(out, inp, opts))  # fmt: skip
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> NcclWork:  # type: ignore[override]
+        return self._from_rows("scatter", outputs, inputs, lambda out, inp: self.gloo.scatter(out, inp, opts))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> NcclWork:  # type: ignore[override]
         scratch, sent = torch.empty_like(output), input.detach().clone()
         return self._queue("all_gather_into_tensor", [output], [(output, scratch)],
                            lambda: self.gloo._allgather_base(scratch, sent, opts))  # fmt: skip
-
-    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> NcclWork:  # type: ignore[override]
-        scratch = [torch.empty_like(o) for o in outputs]
-        sent = [[t.detach().clone() for t in row] for row in inputs]
-        return self._queue("reduce_scatter", outputs, list(zip(outputs, scratch)),
-                           lambda: self.gloo.reduce_scatter(scratch, sent, opts))  # fmt: skip
-
-    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> NcclWork:  # type: ignore[override]
-        scratch = [[torch.empty_like(o) for o in row] for row in outputs]
-        sent = [t.detach().clone() for t in inputs]
-        pairs = [(o, s) for row, srow in zip(outputs, scratch) for o, s in zip(row, srow)]
-        return self._queue("gather", [o for row in outputs for o in row], pairs,
-                           lambda: self.gloo.gather(scratch, sent, opts))  # fmt: skip
-
-    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> NcclWork:  # type: ignore[override]
-        scratch = [torch.empty_like(o) for o in outputs]
-        sent = [[t.detach().clone() for t in row] for row in inputs]
-        return self._queue("scatter", outputs, list(zip(outputs, scratch)),
-                           lambda: self.gloo.scatter(scratch, sent, opts))  # fmt: skip
 
     def barrier(self, opts: Any) -> NcclWork:  # type: ignore[override]
         return self._queue("barrier", [], [], lambda: self.gloo.barrier(opts))
