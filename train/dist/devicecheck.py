@@ -138,11 +138,6 @@ def _mark(tensor: Any, where: str | None) -> None:
             setattr(tensor, _MARK, where)
 
 
-def _marked(tensor: torch.Tensor, where: str) -> torch.Tensor:
-    _mark(tensor, where)
-    return tensor
-
-
 def caller() -> str:
     """The first frame outside torch and this module: the line that made the call."""
     for frame in reversed(traceback.extract_stack()[:-2]):
@@ -163,19 +158,25 @@ def check(call: str, tensors: Any, group: Any) -> None:
     """Refuse a tensor the group's backend would not carry on a GPU host."""
     wanted = carries(group)
     for tensor in _tensors(tensors):
-        where = lives_on(tensor)
-        if where is not None and where != wanted:
-            made = "on the host (CPU)" if where == HOST else "on the rank's device"
-            backend = "NCCL carries CUDA tensors only" if wanted == RANK else "the gloo control group carries CPU"
-            refusal = WrongDevice(
-                f"{call} at {caller()} was given a tensor made {made}: on a GPU host this fails ({backend}). "
-                "Make it with train.dist.comm (comm.tensor / comm.zeros) or on the rank's device."
-            )
-            log = os.environ.get(LOG_ENV)
-            if not log:
-                raise refusal
-            with open(log, "a") as out:  # a survey: every refusal of a run, which goes on
-                out.write(f"{refusal}\n")
+        _judge(call, lives_on(tensor), wanted)
+
+
+def _judge(call: str, where: str | None, wanted: str) -> None:
+    """Refuse what lives ``where`` (``host``, ``rank``; None: unknown, passes) given to a group that carries
+    ``wanted``: raised, or with ``UGRO_CHECK_DEVICES_LOG`` appended to that file (the call goes on)."""
+    if where is None or where == wanted:
+        return
+    made = "on the host (CPU)" if where == HOST else "on the rank's device"
+    backend = "NCCL carries CUDA tensors only" if wanted == RANK else "the gloo control group carries CPU"
+    refusal = WrongDevice(
+        f"{call} at {caller()} was given a tensor made {made}: on a GPU host this fails ({backend}). "
+        "Make it with train.dist.comm (comm.tensor / comm.zeros) or on the rank's device."
+    )
+    log = os.environ.get(LOG_ENV)
+    if not log:
+        raise refusal
+    with open(log, "a") as out:  # a survey: every refusal of a run, which goes on
+        out.write(f"{refusal}\n")
 
 
 def _checked(call: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -183,8 +184,7 @@ def _checked(call: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if call.endswith(("_object", "_object_list")):  # Python objects: only an explicit device can be wrong
             where = _named_device(kwargs["device"]) if kwargs.get("device") is not None else None
-            if where is not None and where != carries(kwargs.get("group")):
-                check(f"torch.distributed.{call}", [_marked(torch.empty(0), where)], kwargs.get("group"))
+            _judge(f"torch.distributed.{call}", where, carries(kwargs.get("group")))
             return original(*args, **kwargs)
         tensors = [a for a in args[:3] if isinstance(a, torch.Tensor | list)]  # gather/scatter: (tensor, list, ...)
         tensors += [kwargs[k] for k in TENSOR_KEYWORDS if isinstance(kwargs.get(k), torch.Tensor | list)]

@@ -3,7 +3,8 @@
 Every multi-rank test on this machine runs on CPU, where gloo completes a collective's future when its result is
 there and a send returns at once. On GPUs the same code runs NCCL, which differs in ways that train silently wrong
 or hang on the first real cluster (``../shared/DESIGN.md``, docs/recovery.md "What NCCL does"). A rank started with
-``UGRO_NCCL_LIKE=1`` (every test rank: tests/conftest.py, the test cluster's env file) makes its default group, and
+``UGRO_NCCL_LIKE=1`` (every test rank: tests/conftest.py; the test cluster's hosts set it for every SSH session,
+testbed/cluster.py ``up``) makes its default group, and
 every group made beside it without a backend, of this kind instead of gloo:
 
 - **Results land at ``work.wait()``.** A collective's future is complete as soon as the collective is queued (as an
@@ -63,8 +64,9 @@ class NcclWork(dist.Work):
         self._finished = False  # the operation underneath ended (well, or with a lost peer)
         self._error: str | None = None  # why it ended badly: kept back until the timeout, as NCCL hangs instead
         self._queued = time.monotonic()
-        self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-        self._future.set_result(result)  # NCCL: complete when queued
+        # NCCL: complete when queued. Its tensors are the CPU's (this backend's), so the future carries no devices.
+        self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=[])
+        self._future.set_result(result)
 
     def finish(self, error: str | None = None) -> None:
         with self._group.changed:

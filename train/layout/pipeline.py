@@ -65,10 +65,12 @@ class StageRunner:
             self.head = headloss.head(self.model)
 
     def _pass(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
-              recv_next: tuple[int, ...] | None = None, recv_prev: tuple[int, ...] | None = None,
+              recv_next: tuple[int, ...] | None = None, recv_prev: dict[str, torch.Tensor] | None = None,
               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
         """One exchange with the neighbours, as one batch waited on as a whole: send hidden states (or their
-        gradients) and receive tensors of the given shapes. Returns (from the previous stage, from the next)."""
+        gradients), receive the previous stage's hidden states for the micro-batch ``recv_prev`` (a leaf that takes
+        a gradient) and the next stage's gradient of the shape ``recv_next``. Returns (from the previous stage,
+        from the next)."""
         where = self.where
         sends: list[tuple[torch.Tensor, int]] = []
         for tensor, peer in ((send_next, where.next), (send_prev, where.prev)):
@@ -78,7 +80,8 @@ class StageRunner:
                 self.sent_bytes += payload.numel() * payload.element_size()
         buffers: list[torch.Tensor | None] = []
         receives: list[tuple[torch.Tensor, int]] = []
-        for shape, peer in ((recv_prev, where.prev), (recv_next, where.next)):
+        hidden = None if recv_prev is None else (*recv_prev["input_ids"].shape, self.hidden_size)
+        for shape, peer in ((hidden, where.prev), (recv_next, where.next)):
             buffer = None
             if shape is not None and peer is not None:
                 buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -86,15 +89,12 @@ class StageRunner:
             buffers.append(buffer)
         if sends or receives:
             regroup.wait(comm.exchange(sends, receives))  # the payloads live until every send is done
-        return buffers[0], buffers[1]
+        inputs, grad = buffers
+        return (None if inputs is None else inputs.requires_grad_(True)), grad
 
     def _receive_forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The previous stage's hidden states for ``batch`` (None on the first stage)."""
-        if self.where.first:
-            return None
-        inputs, _ = self._pass(recv_prev=(*batch["input_ids"].shape, self.hidden_size))
-        assert inputs is not None
-        return inputs.requires_grad_(True)
+        return self._pass(recv_prev=batch)[0]
 
     def _compute(self, batch: dict[str, torch.Tensor], inputs: torch.Tensor | None, clock: StepClock | None,
                  logits: bool = False) -> torch.Tensor:  # fmt: skip
@@ -174,10 +174,7 @@ class StageRunner:
             out = forward(micro_batches[index], inputs)
             _, grad = self._pass(send_next=out, recv_next=oldest_shape())  # send_forward_recv_backward
             following = micro_batches[index + 1] if index + 1 < count else None
-            shape = None if following is None else (*following["input_ids"].shape, self.hidden_size)
-            inputs, _ = self._pass(send_prev=backward(grad), recv_prev=shape)  # send_backward_recv_forward
-            if inputs is not None:
-                inputs.requires_grad_(True)
+            inputs, _ = self._pass(send_prev=backward(grad), recv_prev=following)  # send_backward_recv_forward
         for _ in range(warmup):
             _, grad = self._pass(recv_next=oldest_shape())
             self._pass(send_prev=backward(grad))

@@ -370,7 +370,7 @@ def form(backend: str, store: dist.Store, attempt: int, generation: int, rank: i
     if dist.is_initialized():
         for group in list(dist.distributed_c10d._world.pg_map):  # the default, control and pipeline groups
             retire(group)
-        leave(backend)
+        leave()
     kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         kwargs["device_id"] = device
@@ -378,9 +378,9 @@ def form(backend: str, store: dist.Store, attempt: int, generation: int, rank: i
     dist.init_process_group(store=prefixed, rank=rank, world_size=world, **kwargs)
 
 
-def leave(backend: str) -> None:
+def leave() -> None:
     """Leave every process group of the broken membership: NCCL's aborted, gloo's destroyed."""
-    if backend == dist.Backend.NCCL or comm.nccl_semantics(None):  # or the test backend that behaves like NCCL
+    if comm.nccl_semantics(None):  # NCCL, or the test backend that behaves like it
         dist.distributed_c10d._abort_process_group()  # every group, the control and pipeline ones too
     else:
         dist.destroy_process_group()
