@@ -32,7 +32,6 @@ import datetime
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -221,7 +220,7 @@ class NcclLike(dist.ProcessGroup):
         self.changed = threading.Condition()
         self._channels: dict[int, _Channel] = {}
         self._lock = threading.Lock()
-        _GROUPS.add(self)
+        _GROUPS.append(self)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return NAME
@@ -340,22 +339,22 @@ class NcclLike(dist.ProcessGroup):
         return self.p2p([(False, tensors[0], src, tag)])[0]
 
 
-# Every group of this process that is still in use, aborted at its exit: a channel's thread still in a call into the
-# store while the interpreter ends would end the process with an abort. Weak: a group torch let go of (destroyed)
-# goes at once, with its gloo group, on the thread that let it go; kept until the interpreter's last collection, gloo's
-# network thread could drop the last reference to its device itself and end the process with an abort.
-_GROUPS: weakref.WeakSet[NcclLike] = weakref.WeakSet()
+# Every group of this process, until its exit. Gloo's group inside each is let go only there, on the main thread, after
+# the channels' threads stopped: let go with the last reference to the group, it could go on one of gloo's own threads
+# (a collective's callback holds the work, the work its group), whose destructor then joins itself and ends the
+# process with an abort; or in the interpreter's last collection, racing gloo's network thread.
+_GROUPS: list[NcclLike] = []
 
 
 @atexit.register
 def _abort_all() -> None:
-    groups = list(_GROUPS)
-    for group in groups:
+    for group in _GROUPS:
         group.abort()
-    for group in groups:
+    for group in _GROUPS:
         for channel in list(group._channels.values()):
             channel.thread.join(timeout=1.0)
-        group.gloo = None  # gloo's group goes now, on this thread, not in the interpreter's last collection
+        group.gloo = None
+    _GROUPS.clear()
 
 
 def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> NcclLike:
