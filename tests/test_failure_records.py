@@ -290,3 +290,35 @@ def test_a_host_whose_crashed_ranks_come_back_is_left_out_until_they_do_then_tak
     assert (members, main, generation) == (["a", "b", "c"], "a", 2)
     assert (restarts[0].cause.kind, restarts[0].cause.host, restarts[0].decided_by) == ("rejoined", "c", "rejoin")
     assert "-> taken back in on a, b, c from step 11 (0 steps redone)" in restarts[0].line()
+
+
+STOPPED_IN_A_CALLBACK = """
+import os, signal, sys, time
+from pathlib import Path
+import torch
+from train.recovery import failure
+failure.stop_on_signals()
+
+def landed(_):  # as DDP's communication hook waits on its work, in the thread that completed the future
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+
+queued = torch.futures.Future()
+chained = queued.then(landed)
+queued.set_result(None)
+try:
+    chained.wait()
+except (Exception, failure.Stopped) as exc:
+    print(type(exc).__name__, flush=True)
+    failure.record(Path(sys.argv[1]), exc, "vm", 0, 3)
+"""
+
+
+def test_a_stop_during_a_futures_callback_is_recorded_as_a_stop(tmp_path: Path) -> None:
+    """SIGTERM while the rank runs a future's callback (DDP's hook waiting on its all-reduce): torch hands the
+    handler's Stopped on as a RuntimeError; the record still says the rank was stopped, not that a peer was lost."""
+    out = subprocess.run([PYTHON, "-c", STOPPED_IN_A_CALLBACK, str(tmp_path)], cwd=REPO, env=run_env(),
+                         capture_output=True, text=True, timeout=60, check=True).stdout  # fmt: skip
+    assert out.strip() == "RuntimeError", out  # what torch raises for the callback's Stopped
+    records = [json.loads(line) for line in (tmp_path / "hosts" / "vm" / "failures.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["message"]) for r in records] == [("stopped", "Stopped: SIGTERM received")], records

@@ -60,13 +60,23 @@ class Failure:
         return asdict(self)
 
 
+class _Received:
+    """The stop this process received (its signal dispositions are the process's, so is this): once a stop came,
+    whatever ends the rank ends it because of the stop. The handler's ``Stopped`` can come out in another form: raised
+    while Python ran a future's callback (DDP's communication hook), torch hands it on as a ``RuntimeError`` with its
+    text; a peer that the same stop ended fails this rank's collective."""
+
+    stop: Stopped | None = None
+
+
 def _raise_stopped(signum: int, _frame: FrameType | None) -> None:
     # Only the first: a stop reaches a rank more than once (make stop signals the rank and its launch's process group,
     # and torchrun's agent passes its own SIGTERM on), and a second Stopped would cut short the rank's record of why
     # it ended. SIGKILL stays the hard stop.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise Stopped(f"{signal.Signals(signum).name} received")
+    _Received.stop = Stopped(f"{signal.Signals(signum).name} received")
+    raise _Received.stop
 
 
 def stop_on_signals() -> None:
@@ -80,7 +90,7 @@ def kind_of(exc: BaseException) -> str:
         return "config"
     if isinstance(exc, NonFiniteError):
         return "non_finite"
-    if isinstance(exc, Stopped):
+    if isinstance(exc, Stopped) or _Received.stop is not None:
         return "stopped"
     if isinstance(exc, RejoinError):
         return "rejoin"
@@ -107,9 +117,10 @@ def one_line(exc: BaseException, limit: int = 400) -> str:
 
 def record(run_dir: Path, exc: BaseException, host: str, rank: int, step: int | None) -> Failure:
     """Append this rank's failure to its host's failures.jsonl; returns it."""
+    kind = kind_of(exc)
     failure = Failure(
-        kind=kind_of(exc),
-        message=one_line(exc),
+        kind=kind,
+        message=one_line(exc if isinstance(exc, Stopped) or _Received.stop is None else _Received.stop),
         host=host,
         rank=rank,
         step=step,
