@@ -34,6 +34,12 @@ firewall           firewall   {nftables, ufw, why}: the live rules of the nftabl
                               error}); each rule {action: accept|reject|drop, sources: [CIDR] or null (any),
                               ports: [[low, high]] or null (any)}, in the order they match; as root, or
                               through `sudo -n` (never part of C(all))
+kernel             kernel     {running, installed, newest, headers, modules, loaded, secure_boot, driver_packages}:
+                              the kernels (oldest first), each one's headers and NVIDIA module {path, version,
+                              error}, the module loaded now, Secure Boot {state, mok_key, mok_enrolled} and the
+                              driver's installed packages [{name, version, held, sources, from_repository}]
+                              (O(driver_repository); module_utils
+                              ugro_kernel; never part of C(all))
 checkpoint         checkpoint with O(job_id): {name, step, path} of the newest checkpoint of the run here
                               that passes its sha256 manifest, or null (never part of C(all): it
                               reads every checkpoint file)
@@ -71,7 +77,7 @@ options:
     elements: str
     default: [all]
     choices: [all, network, gpu, versions, code, job, disk, memory, ports, env, resolve, clock, checkpoint, firewall,
-      files]
+      files, kernel]
   cluster_address:
     description: The host's IPv4 cluster address; C(cluster) reports the interface holding it.
     type: str
@@ -127,6 +133,10 @@ options:
     description: The nftables table (family C(inet)) of role C(firewall); C(firewall) reads its rules.
     type: str
     default: ugro
+  driver_repository:
+    description: The URL of the driver's apt repository (role nvidia_repository's); C(kernel) says of each
+      installed driver package whether its installed version comes from there (C(from_repository)).
+    type: str
   timeout_s:
     description: Seconds before C(nvidia-smi), the job Python or a name lookup counts as hung.
     type: float
@@ -199,17 +209,20 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.ugro_checkpoints import newest_intact
 from ansible.module_utils.ugro_codetree import current_hash
 from ansible.module_utils.ugro_jobstate import HAS_PSUTIL, JOB_ID, psutil_missing, running_job, status
+from ansible.module_utils.ugro_kernel import facts as kernel_facts
 
 if HAS_PSUTIL:
     import psutil
 
 SUBSETS = (
     "network", "gpu", "versions", "code", "job", "disk", "memory", "ports", "env", "resolve", "clock", "checkpoint",
-    "firewall", "files",
+    "firewall", "files", "kernel",
 )  # fmt: skip
 # The option each subset needs; subsets not listed need none.
 NEEDS = {"versions": "python", "code": "code_dir", "job": "code_dir", "disk": "disk_path", "env": "env_file",
          "resolve": "names", "checkpoint": "job_id", "files": "paths"}  # fmt: skip
+# Subsets that C(all) leaves out: slow, or needing root.
+EXPLICIT_ONLY = ("checkpoint", "firewall", "kernel")
 # Distribution name -> version label (the labels preflight compares across hosts).
 PACKAGES = {"torch": "torch", "transformers": "transformers", "peft": "peft", "unsloth": "unsloth"}
 NCCL_DISTS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
@@ -629,6 +642,8 @@ def gather(params: dict[str, Any], subsets: set[str]) -> dict[str, Any]:
         facts["time"] = time.time()
     if "firewall" in subsets:
         facts["firewall"] = firewall(params["firewall_table"], timeout_s)
+    if "kernel" in subsets:
+        facts["kernel"] = kernel_facts(params["driver_repository"], timeout_s=timeout_s)
     return facts
 
 
@@ -651,6 +666,7 @@ def main() -> None:
             "paths": {"type": "list", "elements": "str", "default": []},
             "nvidia_smi": {"type": "path"},
             "firewall_table": {"type": "str", "default": "ugro"},
+            "driver_repository": {"type": "str"},
             "timeout_s": {"type": "float", "default": 15.0},
         },
         supports_check_mode=True,
@@ -671,7 +687,7 @@ def main() -> None:
         module.fail_json(msg=f"{host}: job_id '{params['job_id']}' is not a job id such as default-20261121-190000")
     requested = set(params["gather_subset"])
     if "all" in requested:
-        subsets = {s for s in SUBSETS if (s not in NEEDS or params[NEEDS[s]]) and s not in ("checkpoint", "firewall")}
+        subsets = {s for s in SUBSETS if (s not in NEEDS or params[NEEDS[s]]) and s not in EXPLICIT_ONLY}
     else:
         subsets = requested
         for subset in sorted(subsets):

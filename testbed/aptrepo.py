@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from testbed import standins
+
 FORMAT = 2  # bump when the layout changes without the spec changing
 EPOCH = 1735689600  # 2025-01-01: every file's mtime in the .debs
 
@@ -56,14 +58,55 @@ DRIVER_PACKAGES = ("nvidia-kernel-open-dkms", "nvidia-driver-cuda", "nvidia-smi"
 CUDA_PINNED = "13.0.2"
 CUDA_NEWER = "13.0.3"
 CUDA_PACKAGE = "cuda-toolkit-13-0"
+# What the metapackage pulls, shaped like NVIDIA's repository: each release of it depends on that release's
+# cuda-compiler/cuda-libraries metapackages, and they on the component packages, every dependency `>=` the
+# version the release shipped (a component's own version, not the toolkit's), so apt alone takes a later
+# release's components. A component a release did not change (cudart here) has one version for both.
+# release -> package -> upstream version (nvcc prints its own as V...).
+CUDA_COMPONENTS = {
+    CUDA_PINNED: {
+        "cuda-compiler-13-0": CUDA_PINNED,
+        "cuda-libraries-13-0": CUDA_PINNED,
+        "cuda-nvcc-13-0": "13.0.88",
+        "cuda-cudart-13-0": "13.0.96",
+        "libcublas-13-0": "13.1.0.3",
+    },
+    CUDA_NEWER: {
+        "cuda-compiler-13-0": CUDA_NEWER,
+        "cuda-libraries-13-0": CUDA_NEWER,
+        "cuda-nvcc-13-0": "13.0.93",
+        "cuda-cudart-13-0": "13.0.96",
+        "libcublas-13-0": "13.1.1.3",
+    },
+}
+# An unversioned dependency of the metapackage, one version for every release (NVIDIA's registers the
+# toolkit's libraries with the loader: /etc/ld.so.conf.d/988_cuda-13.conf).
+CUDA_CONFIG_PACKAGE = "cuda-toolkit-13-config-common"
+CUDA_CONFIG_VERSION = "13.0.96"
+
+# The pinned driver as another source builds it (testbed/standins.py's host that had a driver before ugro).
+FOREIGN_REVISION = "0ubuntu0.24.04.1"
 
 GPU_NAME = "NVIDIA GeForce RTX 5070 Ti"
 GPU_MEMORY_MIB = 12227
 
 NVIDIA_SMI = r"""#!/bin/sh
 # Dummy nvidia-smi from ugro's test apt repository (testbed/aptrepo.py): no GPU, no driver,
-# answers the queries ugro makes as a one-GPU host with driver @VERSION@ would.
+# answers the queries ugro makes as a one-GPU host with driver @VERSION@ would, once the kernel
+# has loaded that module (testbed/standins.py: /sys/module/nvidia/version), and fails as the real
+# one does before.
 version=@VERSION@
+loaded=$(cat /sys/module/nvidia/version 2>/dev/null)
+if [ -z "$loaded" ]; then
+  echo "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver." \
+       "Make sure that the latest NVIDIA driver is installed and running." >&2
+  exit 9
+fi
+if [ "$loaded" != "$version" ]; then
+  echo "Failed to initialize NVML: Driver/library version mismatch" >&2
+  echo "NVML library version: $version" >&2
+  exit 18
+fi
 name="@GPU_NAME@"
 memory=@GPU_MEMORY@
 query=""
@@ -122,6 +165,7 @@ class Package:
     description: str = "dummy package for ugro's tests"
     files: tuple[tuple[str, int, str], ...] = ()
     section: str = "multiverse/devel"
+    scripts: tuple[tuple[str, str], ...] = ()  # maintainer scripts: (postinst|prerm|postrm, text)
 
     @property
     def filename(self) -> str:
@@ -157,6 +201,19 @@ class RepoInfo:
     cuda_pinned: str
     cuda_newer: str
     packages: list[str] = field(default_factory=list)
+    # The kernel packages (testbed/standins.py): headers of the running kernel, a newer kernel and its headers.
+    kernel_running: str = ""
+    kernel_newer: str = ""
+    # The pinned driver from another source: .debs under foreign/, in no index (FOREIGN_REVISION).
+    foreign_debs: list[str] = field(default_factory=list)
+    foreign_version: str = ""
+    # The toolkit's component packages (CUDA_COMPONENTS): package -> [upstream version in the pinned release,
+    # in the newer one] (the same where the newer release did not change it).
+    cuda_components: dict[str, list[str]] = field(
+        default_factory=lambda: {
+            name: [version, CUDA_COMPONENTS[CUDA_NEWER][name]] for name, version in CUDA_COMPONENTS[CUDA_PINNED].items()
+        }
+    )
 
 
 def deb_version(version: str) -> str:
@@ -164,8 +221,10 @@ def deb_version(version: str) -> str:
     return f"{version}-1"
 
 
-def _driver_packages(version: str) -> list[Package]:
-    revision = deb_version(version)
+def _driver_packages(version: str, revision: str | None = None) -> list[Package]:
+    revision = revision or deb_version(version)
+    module = standins.module_elf({"version": version, "license": "Dual MIT/GPL", "name": "nvidia",
+                                  "description": "NVIDIA open kernel module (ugro test stand-in)"})  # fmt: skip
     smi = (
         NVIDIA_SMI.replace("@VERSION@", version)
         .replace("@GPU_NAME@", GPU_NAME)
@@ -176,8 +235,14 @@ def _driver_packages(version: str) -> list[Package]:
             "nvidia-kernel-open-dkms",
             revision,
             description=f"NVIDIA open kernel modules {version} (dummy)",
-            files=((f"/usr/src/nvidia-{version}/README.ugro", 0o644, "dummy: no kernel module here\n"),),
+            files=(
+                (f"/usr/src/nvidia-{version}/README.ugro", 0o644, "dummy: see testbed/standins.py\n"),
+                (standins.BUILD_SCRIPT, 0o755, standins.dkms_build_script(version)),
+                (standins.module_template(version), 0o644, "hex:" + module.hex()),
+                (standins.HEADER_HOOK, 0o755, standins.header_hook()),
+            ),
             section="non-free/kernel",
+            scripts=tuple(standins.dkms_scripts(version).items()),
         ),
         Package(
             "nvidia-smi",
@@ -197,13 +262,70 @@ def _driver_packages(version: str) -> list[Package]:
 
 
 def _cuda_package(version: str) -> Package:
-    release = ".".join(version.split(".")[:2])
-    nvcc = NVCC.replace("@VERSION@", version).replace("@RELEASE@", release)
+    """The toolkit's metapackage of one release: nothing of its own, its release's parts at `>=` (as NVIDIA's)."""
+    parts = CUDA_COMPONENTS[version]
     return Package(
         CUDA_PACKAGE,
         deb_version(version),
+        depends=(
+            CUDA_CONFIG_PACKAGE,
+            f"cuda-compiler-13-0 (>= {parts['cuda-compiler-13-0']})",
+            f"cuda-libraries-13-0 (>= {parts['cuda-libraries-13-0']})",
+        ),
         description=f"CUDA Toolkit {version} meta-package (dummy)",
-        files=((f"/usr/local/cuda-{release}/bin/nvcc", 0o755, nvcc),),
+    )
+
+
+def _cuda_components(version: str, since: str | None = None) -> list[Package]:
+    """The component packages of one release (without those unchanged since the release `since`)."""
+    parts = CUDA_COMPONENTS[version]
+    release = ".".join(version.split(".")[:2])
+    nvcc = NVCC.replace("@VERSION@", parts["cuda-nvcc-13-0"]).replace("@RELEASE@", release)
+    packages = [
+        Package(
+            "cuda-compiler-13-0",
+            deb_version(parts["cuda-compiler-13-0"]),
+            depends=(f"cuda-nvcc-13-0 (>= {parts['cuda-nvcc-13-0']})",),
+            description=f"CUDA compiler {version} meta-package (dummy)",
+        ),
+        Package(
+            "cuda-libraries-13-0",
+            deb_version(parts["cuda-libraries-13-0"]),
+            depends=(
+                f"cuda-cudart-13-0 (>= {parts['cuda-cudart-13-0']})",
+                f"libcublas-13-0 (>= {parts['libcublas-13-0']})",
+            ),
+            description=f"CUDA libraries {version} meta-package (dummy)",
+        ),
+        Package(
+            "cuda-nvcc-13-0",
+            deb_version(parts["cuda-nvcc-13-0"]),
+            description=f"CUDA nvcc {parts['cuda-nvcc-13-0']} (dummy)",
+            files=((f"/usr/local/cuda-{release}/bin/nvcc", 0o755, nvcc),),
+        ),
+        Package(
+            "cuda-cudart-13-0",
+            deb_version(parts["cuda-cudart-13-0"]),
+            description=f"CUDA Runtime native libraries {parts['cuda-cudart-13-0']} (dummy: no library)",
+        ),
+        Package(
+            "libcublas-13-0",
+            deb_version(parts["libcublas-13-0"]),
+            description=f"CUBLAS native runtime libraries {parts['libcublas-13-0']} (dummy: no library)",
+        ),
+    ]
+    unchanged = CUDA_COMPONENTS[since] if since else {}
+    return [p for p in packages if unchanged.get(p.name) != parts[p.name]]
+
+
+def _cuda_config_package() -> Package:
+    """NVIDIA's per-major configuration package: the toolkit's libraries registered with the loader."""
+    return Package(
+        CUDA_CONFIG_PACKAGE,
+        deb_version(CUDA_CONFIG_VERSION),
+        architecture="all",
+        description="CUDA 13 toolkit configuration (dummy)",
+        files=(("/etc/ld.so.conf.d/988_cuda-13.conf", 0o644, "/usr/local/cuda-13/targets/x86_64-linux/lib\n"),),
     )
 
 
@@ -219,19 +341,57 @@ def _keyring_package(public_key: bytes) -> Package:
     )
 
 
+def _kernel_packages() -> list[Package]:
+    """Headers for the running kernel and for a newer one, and the newer kernel's image (a kernel update)."""
+    running, newer = standins.running_kernel(), standins.newer_kernel(standins.running_kernel())
+    headers = [
+        Package(
+            f"linux-headers-{release}",
+            "1",
+            description=f"Header files for Linux {release} (dummy)",
+            files=((f"/usr/src/linux-headers-{release}/Makefile", 0o644, "# dummy kernel build tree\n"),),
+            section="kernel",
+            scripts=tuple(standins.headers_scripts(release).items()),
+        )
+        for release in (running, newer)
+    ]
+    image = Package(
+        f"linux-image-{newer}",
+        "1",
+        description=f"Linux {newer} (dummy: a kernel update waiting for the next boot)",
+        files=((f"/boot/vmlinuz-{newer}", 0o644, "dummy kernel\n"), (f"/lib/modules/{newer}/modules.order", 0o644, "")),
+        section="kernel",
+    )
+    return [*headers, image]
+
+
+def foreign_driver() -> list[Package]:
+    """The pinned driver as another source built it (as Ubuntu's archive does, ``-0ubuntu0.24.04.1``): not in the
+    repository's index, for a test to install from its file, as a host that had a driver before ugro."""
+    return _driver_packages(DRIVER_PINNED, f"{DRIVER_PINNED}-{FOREIGN_REVISION}")
+
+
 def spec() -> list[Package]:
     """Every package except the keyring (whose content is the key made at build time)."""
     return [
         *_driver_packages(DRIVER_PINNED),
         *_driver_packages(DRIVER_NEWER),
+        *_kernel_packages(),
         _cuda_package(CUDA_PINNED),
+        *_cuda_components(CUDA_PINNED),
         _cuda_package(CUDA_NEWER),
+        *_cuda_components(CUDA_NEWER, since=CUDA_PINNED),
+        _cuda_config_package(),
     ]
 
 
 def spec_hash() -> str:
     payload = json.dumps(
-        {"format": FORMAT, "keyring": [KEYRING_PATH, KEYRING_VERSION], "packages": [asdict(p) for p in spec()]},
+        {
+            "format": FORMAT,
+            "keyring": [KEYRING_PATH, KEYRING_VERSION],
+            "packages": [asdict(p) for p in [*spec(), *foreign_driver()]],
+        },
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()
@@ -248,6 +408,9 @@ def _build_deb(package: Package, stage: Path, out: Path) -> None:
     root = stage / f"{package.name}_{package.version}"
     (root / "DEBIAN").mkdir(parents=True)
     (root / "DEBIAN" / "control").write_text(package.control())
+    for script, text in package.scripts:
+        (root / "DEBIAN" / script).write_text(text)
+        (root / "DEBIAN" / script).chmod(0o755)
     for path, mode, content in package.files:
         target = root / path.lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -314,6 +477,10 @@ def _info(dest: Path, packages: list[Package]) -> RepoInfo:
         cuda_pinned=CUDA_PINNED,
         cuda_newer=CUDA_NEWER,
         packages=[p.filename for p in packages],
+        kernel_running=standins.running_kernel(),
+        kernel_newer=standins.newer_kernel(standins.running_kernel()),
+        foreign_debs=[f"foreign/{p.filename}" for p in foreign_driver()],
+        foreign_version=f"{DRIVER_PINNED}-{FOREIGN_REVISION}",
     )
 
 
@@ -336,6 +503,9 @@ def _sign_and_index(out: Path, work: Path) -> list[Package]:
         packages = [_keyring_package(public_key), *spec()]
         for package in packages:
             _build_deb(package, work / "stage", out)
+        (out / "foreign").mkdir()
+        for package in foreign_driver():
+            _build_deb(package, work / "stage-foreign", out / "foreign")
         (out / "cuda-archive-keyring.gpg").write_bytes(public_key)
         index = _packages_index(packages, out)
         packages_gz = gzip.compress(index, mtime=0)

@@ -67,7 +67,57 @@ def _facts(torch: str, gpu: tuple[str, str] | None = ("NVIDIA GeForce RTX 4070",
         "interfaces": {"eno1": ["10.0.0.1"]},
         "cluster": {"address": "10.0.0.1", "interface": "eno1"},
         "env_file": {"exists": False},
+        "kernel": _kernel(driver if gpu else None),
     }
+
+
+def _kernel(module: str | None, loaded: str | None = "same", newest: str | None = "same",
+            secure_boot: str = "disabled", enrolled: bool | None = None) -> dict[str, Any]:  # fmt: skip
+    """ugro_host_facts' kernel facts: the running kernel's module, the one loaded, the newest kernel's module."""
+    running, newer = "6.8.0-51-generic", "6.8.0-60-generic"
+    modules = {running: {"path": "/lib/modules/x/nvidia.ko", "version": module, "error": None} if module else None}
+    if newest != "running":
+        modules[newer] = None if newest is None else {"path": "x", "version": module if newest == "same" else newest,
+                                                       "error": None}  # fmt: skip
+    return {
+        "running": running,
+        "installed": sorted(modules),
+        "newest": max(modules),
+        "modules": modules,
+        "loaded": module if loaded == "same" else loaded,
+        "secure_boot": {
+            "state": secure_boot,
+            "mok_key": "/var/lib/dkms/mok.pub" if enrolled is not None else None,
+            "mok_enrolled": enrolled,
+        },
+        "driver_packages": [],
+    }
+
+
+def test_kernel_rows_say_what_the_next_boot_needs_and_how_to_fix_it() -> None:
+    """A reboot pending, the kernel update without its module, Secure Boot without an enrolled key: each FAIL names
+    the host and the fix; a host whose module loads, and a CPU host, pass."""
+    network: dict[str, Any] = {"listen": {}, "connect": []}
+    hosts = {
+        "ok": _kernel("580.173.02"),
+        "pending": _kernel("580.173.02", loaded=None),
+        "update": _kernel("580.173.02", newest=None),
+        "locked": _kernel(None, loaded=None, newest="running", secure_boot="enabled", enrolled=False),
+    }
+    reports = {h: {"host": {**_facts("2.13.0"), "kernel": k}, "network": network} for h, k in hosts.items()}
+    reports["cpu"] = {"host": _facts("2.13.0", gpu=None), "network": network}
+    addresses = {h: f"10.0.0.{i + 1}" for i, h in enumerate(reports)}
+    report = judge_fast(reports, {}, list(reports), "ok", addresses, 29500, "h" * 64, {}, Thresholds())
+    rows = {c.name: c.cells for c in report.checks}
+    assert [rows[r]["ok"].status for r in ("secure boot", "nvidia module", "next kernel")] == ["PASS"] * 3
+    assert [rows[r]["cpu"].detail for r in ("secure boot", "nvidia module", "next kernel")] == ["no GPU"] * 3
+    pending = rows["nvidia module"]["pending"]
+    assert (pending.status, pending.detail) == ("FAIL", "none loaded, 580.173.02 installed") and "reboot" in pending.fix
+    update = rows["next kernel"]["update"]
+    assert update.status == "FAIL" and "6.8.0-60-generic" in update.cause and "--limit update" in update.fix
+    locked = rows["secure boot"]["locked"]
+    assert locked.status == "FAIL" and "mokutil --import /var/lib/dkms/mok.pub" in locked.fix
+    assert rows["nvidia module"]["locked"].status == "FAIL"
 
 
 def test_the_odd_version_out_fails_on_its_host_and_names_the_fix() -> None:

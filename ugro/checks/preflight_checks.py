@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ugro.checks.preflight_kernel import kernel_rows
 from ugro.checks.preflight_network import (
     clock_row,
     ephemeral_row,
@@ -178,6 +179,7 @@ def judge_fast(
     for host in facts:
         driver.cells.setdefault(host, Cell("PASS", "no GPU"))
     report.checks.append(driver)
+    report.checks.extend(kernel_rows(facts))
     report.checks.append(arch_row(facts, runtime, why))
     report.checks.append(backend_row(facts, runtime, backend, report))
 

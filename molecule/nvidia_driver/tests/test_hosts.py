@@ -1,5 +1,7 @@
-"""Role nvidia_driver: on tb1 (a GPU) the pinned driver installed, held, pinned, kept out of unattended
-upgrades and not upgraded by apt although the repository holds a newer one; tb2 (no GPU) has nothing of it."""
+"""Role nvidia_driver: on tb1 (a GPU, no kernel headers, a kernel update installed) the pinned driver installed,
+held, pinned, kept out of unattended upgrades and not upgraded by apt although the repository holds a newer one, with
+its module built for both kernels and the reboot left pending; tb2 (no GPU) has nothing of it. verify.yml boots tb1
+and runs the role again."""
 
 from __future__ import annotations
 
@@ -31,7 +33,18 @@ def test_every_driver_package_is_pinned_and_held(gpu_host: Any) -> None:
     repo = _repo(gpu_host)
     packages = repo["driver_packages"]
     assert _versions(gpu_host, packages) == [f"{repo['driver_pinned']}-1 hold ok installed"] * len(packages)
-    assert gpu_host.check_output("nvidia-smi --query-gpu=driver_version --format=csv,noheader") == repo["driver_pinned"]
+
+
+def test_both_kernels_have_headers_and_the_pinned_module_and_a_reboot_is_pending(gpu_host: Any) -> None:
+    """The running kernel and the update waiting for the next boot: headers installed, so DKMS built the module for
+    each; nothing loaded yet (no reboot allowed), so nvidia-smi cannot answer, and the role did not fail for it."""
+    repo = _repo(gpu_host)
+    for kernel in (repo["kernel_running"], repo["kernel_newer"]):
+        assert _versions(gpu_host, [f"linux-headers-{kernel}"]) == ["1 install ok installed"]
+        module = gpu_host.file(f"/lib/modules/{kernel}/updates/dkms/nvidia.ko")
+        assert module.exists and f"version={repo['driver_pinned']}".encode() in module.content
+    assert not gpu_host.file("/sys/module/nvidia/version").exists
+    assert "couldn't communicate with the NVIDIA driver" in gpu_host.run("nvidia-smi").stderr
 
 
 def test_the_pin_and_blacklist_files(gpu_host: Any) -> None:
