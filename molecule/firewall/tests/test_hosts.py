@@ -1,7 +1,9 @@
-"""Role firewall (nftables) on each host: the package, the role's table and file, and tb1's own table untouched.
+"""Role firewall (nftables) on each host: the package, the role's table and file, and tb1's own tables untouched.
 
-Connections from inside and outside the subnet, the boot ruleset and a missing table are verify.yml's
-(molecule/conftest.py runs it last): they need the other hosts or apply the role again.
+tb1 had a firewall of its own and Docker's tables before the role (prepare.yml); these tests run after the
+converge and the idempotence run, so both the role's load of its table and its second run left them alone.
+Connections from inside and outside the subnet, a reload of the boot ruleset and a missing table are
+verify.yml's (molecule/conftest.py runs it last): they need the other hosts or apply the role again.
 """
 
 from __future__ import annotations
@@ -11,10 +13,18 @@ from typing import Any
 testinfra_hosts = ["ansible://ugro_cluster"]
 
 TABLE_FILE = "/etc/nftables.d/ugro.nft"
+BOOT_RULESET = "/etc/nftables.conf"
 
 
 def _tables(host: Any) -> list[str]:
     return sorted(host.check_output("nft list tables").splitlines())
+
+
+def _tables_before(host: Any) -> list[str]:
+    """tb1's tables before the role (prepare.yml): its own inet filter and Docker's ip nat and ip filter."""
+    if host.backend.get_hostname() != "tb1":
+        return []
+    return sorted(host.file("/root/tables.before").content_string.splitlines())
 
 
 def test_nftables_is_installed(host: Any) -> None:
@@ -22,17 +32,17 @@ def test_nftables_is_installed(host: Any) -> None:
 
 
 def test_only_the_roles_table_is_added(host: Any) -> None:
-    # tb1 had a firewall of its own before the role (prepare.yml); tb2 had none.
-    own = ["table inet filter"] if host.backend.get_hostname() == "tb1" else []
-    assert _tables(host) == sorted([*own, "table inet ugro"])
+    before = _tables_before(host)
+    if host.backend.get_hostname() == "tb1":
+        assert before == ["table inet filter", "table ip filter", "table ip nat"]
+    assert _tables(host) == sorted([*before, "table inet ugro"])
 
 
-def test_tb1_own_table_is_unchanged(host: Any) -> None:
-    if host.backend.get_hostname() != "tb1":
-        return
-    assert (
-        host.check_output("nft -s list table inet filter") == host.file("/root/ruleset.before").content_string.strip()
-    )
+def test_the_hosts_own_and_dockers_tables_are_unchanged(host: Any) -> None:
+    for table in _tables_before(host):
+        family, name = table.split()[1:]
+        saved = host.file(f"/root/table.{family}.{name}.before").content_string.strip()
+        assert host.check_output(f"nft -s list table {family} {name}") == saved, table
 
 
 def test_the_table_opens_the_cluster_ports_to_the_members_only(host: Any) -> None:
@@ -51,5 +61,13 @@ def test_the_table_opens_the_cluster_ports_to_the_members_only(host: Any) -> Non
     assert variables["testbed_bridge_address"] in exporter  # the controller reaches the exporter
 
 
-def test_the_boot_ruleset_includes_the_table_file(host: Any) -> None:
-    assert f'include "{TABLE_FILE}"' in host.file("/etc/nftables.conf").content_string.splitlines()
+def test_the_boot_ruleset_no_longer_flushes_the_whole_ruleset(host: Any) -> None:
+    # tb1: prepare.yml's file; tb2: Debian's own, from the nftables package the role installed. Both started
+    # with `flush ruleset`; the role put the reset of the file's own table in its place and dropped the include
+    # of its table file that an earlier release added (tb1, prepare.yml).
+    lines = [line.strip() for line in host.file(BOOT_RULESET).content_string.splitlines()]
+    assert "flush ruleset" not in lines
+    assert not [line for line in lines if line.startswith("include") and TABLE_FILE in line]
+    reset = lines.index("table inet filter")
+    assert lines[reset + 1] == "delete table inet filter"
+    assert reset < lines.index("table inet filter {")

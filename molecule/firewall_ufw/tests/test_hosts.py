@@ -28,3 +28,15 @@ def test_ufw_is_active_with_ssh_and_the_cluster_ports_open_to_the_members_only(h
     last_allow = max(i for i, line in enumerate(lines) if "ALLOW" in line and "(v6)" not in line)
     assert last_allow < min(i for i, line in enumerate(lines) if "REJECT" in line), status
     assert host.file("/etc/ufw/ugro-rules").contains(f"allow proto tcp from {members[0]} to any port 29500")
+
+
+def test_nothing_of_the_nftables_backend_is_left(host: Any) -> None:
+    # prepare.yml applied the role with nftables first, added the include of an earlier release and the unit of a
+    # systemd host; ufw now holds the rules, so the role removed the table and everything that loaded it.
+    assert "table inet ugro" not in host.check_output("nft list tables").splitlines()
+    assert not host.file("/etc/nftables.d/ugro.nft").exists
+    for unit in ("ugro-firewall.service", "sysinit.target.wants/ugro-firewall.service"):
+        path = host.file(f"/etc/systemd/system/{unit}")
+        assert not path.exists and not path.is_symlink, unit
+    # Debian's boot ruleset is as the package installed it: its `flush ruleset` back, no include of the table.
+    assert host.file("/etc/nftables.conf").content_string == host.file("/root/nftables.conf.before").content_string
