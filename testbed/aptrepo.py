@@ -6,8 +6,8 @@ It builds a *flat* apt repository (like NVIDIA's `.../repos/debian12/x86_64/`, u
 `cuda-toolkit-13-0` with its component packages, each at a PINNED and at a NEWER version, so a test can check
 that the pinned one is installed and held and that an upgrade does not pull the newer one; headers for the
 running kernel, and a newer kernel with its headers (a kernel update); and, outside the index, the pinned driver as
-another origin builds it. The driver's DKMS package builds a module as DKMS does (testbed/standins.py). The index is signed
-with a throwaway GPG key made in a temporary GNUPGHOME (removed afterwards); the dummy
+another origin builds it. The driver's DKMS package builds a module as DKMS does (testbed/standins.py).
+The index is signed with a throwaway GPG key made in a temporary GNUPGHOME (removed afterwards); the dummy
 `cuda-keyring` package ships that key where NVIDIA's ships theirs.
 
     python -m testbed.aptrepo build DIR   # prints the RepoInfo as JSON (also written to DIR/repo.json)
