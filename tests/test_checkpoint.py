@@ -89,3 +89,33 @@ def test_torn_checkpoints_are_never_loaded(tmp_path: Path, parts: tuple) -> None
 def test_no_checkpoint_means_fresh_start(tmp_path: Path, parts: tuple) -> None:
     model, opt, sched = parts
     assert checkpoint.restore(tmp_path, model, opt, sched, rank=0) is None
+
+
+class _Planted:
+    """What a crafted state.pt carries: unpickling it runs code (here, it writes a file)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (Path.touch, (str(self.marker),))  # type: ignore[return-value]
+
+
+def test_a_crafted_checkpoint_is_refused_unread_and_the_run_resumes_from_the_one_before(
+    tmp_path: Path, parts: tuple, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run directory someone shares, or a checkpoint relayed from another host, with a valid manifest (integrity,
+    not origin) and a state.pt that runs code when unpickled: nothing of it runs, the log names it, the rank resumes
+    from the newest checkpoint that holds only tensors and plain values."""
+    model, opt, sched = parts
+    _train_a_bit(model, opt, sched)
+    checkpoint.save(tmp_path, 5, model, opt, sched, keep_last=10, is_main=True, extra={})
+    marker = tmp_path / "code-ran"
+    state = torch.load(tmp_path / "checkpoints" / "step-000005" / "state.pt", weights_only=True)
+    crafted = checkpoint.write(tmp_path, 9, state | {"plan": _Planted(marker)}, 10, lambda folder: folder.mkdir())
+    assert checkpoint.verify(crafted) is None  # its manifest is valid
+    with caplog.at_level("WARNING"):
+        restored = checkpoint.restore(tmp_path, model, opt, sched, rank=0)
+    assert not marker.exists(), "unpickling the crafted checkpoint ran its code"
+    assert restored is not None and restored.step == 5
+    assert any("step-000009" in r.getMessage() and "refused" in r.getMessage() for r in caplog.records), caplog.text

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 from collections.abc import Callable
@@ -171,14 +172,40 @@ def write(run_dir: Path, step: int, state: dict[str, Any], keep_last: int, adapt
     return final
 
 
+def load_state(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's ``state.pt`` with tensors and plain values only (``weights_only``): nothing in it runs. The
+    manifest proves a checkpoint whole, not who wrote it (a shared run directory, a copy from another host): one that
+    holds anything else is refused and named in the log, never unpickled."""
+    try:
+        state: dict[str, Any] = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, TypeError, ValueError, AttributeError) as exc:
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        log.warning("checkpoint %s refused: its state.pt holds more than tensors and plain values (%s); not loaded",
+                    path, first.strip()[:200])  # fmt: skip
+        return None
+    return state
+
+
+def newest_loadable(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that is intact and holds only tensors and plain values, with its state."""
+    for path in reversed(list_checkpoints(run_dir)):
+        problem = verify(path)
+        if problem is not None:
+            log.warning("skipping checkpoint %s: %s", path, problem)
+            continue
+        state = load_state(path)
+        if state is not None:
+            return path, state
+    return None
+
+
 def fetch(run_dir: Path, rank: int, src: int = 0) -> tuple[Path, dict[str, Any]] | None:
     """Collective: rank ``src`` loads the newest intact checkpoint's state and broadcasts it to every rank."""
     payload: list[Any] = [None]
     if rank == src:
-        path = latest_valid(run_dir)
-        if path is not None:
-            state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-            payload = [(str(path), state)]
+        found = newest_loadable(run_dir)
+        if found is not None:
+            payload = [(str(found[0]), found[1])]
     if dist.is_initialized():
         dist.broadcast_object_list(payload, src=src)
     if payload[0] is None:
