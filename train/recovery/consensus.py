@@ -22,6 +22,7 @@ three of its polls the ranks decide themselves:
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from dataclasses import dataclass
@@ -29,9 +30,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from train.recovery import storedata
 from train.recovery.regroup import HEARTBEAT_S, SILENT_AFTER, Membership
 
+log = logging.getLogger(__name__)
+
 FOLLOWED = "followed.json"  # ugro/module_utils/ugro_jobstate.py FOLLOWED
+AGREE_TRIES = 8  # keys tried when the store holds values no survivor proposed
 FOLLOW_GRACE_S = 10.0  # beyond three polls: a playbook poll's own time on a busy controller
 
 
@@ -93,10 +98,18 @@ def propose(hosts: tuple[str, ...], main: str, view: View, generation: int) -> M
     return Membership(generation + 1, alive, main if main in alive else alive[0])
 
 
-def agree(proposal: Membership, store: dist.Store, attempt: int) -> Membership:
-    """The membership the survivors take for ``proposal``'s generation: the first proposed at the new main host's
-    store (``store``), this one if it came first."""
+def agree(proposal: Membership, store: dist.Store, attempt: int, hosts: tuple[str, ...],
+          tries: int = AGREE_TRIES) -> Membership:  # fmt: skip
+    """The membership the survivors of ``hosts`` take for ``proposal``'s generation: the first proposed at the new
+    main host's store (``store``), this one if it came first. A value there that no survivor could have proposed
+    (anyone who reaches the store can write it first) is refused, named in the log, and the next key tried: every
+    survivor reads the same values in the same order, so they skip the same ones and still agree."""
     mine = json.dumps({"generation": proposal.generation, "hosts": list(proposal.hosts), "main": proposal.main})
-    key = f"ugro-membership-{attempt}-{proposal.generation}"
-    decided = json.loads(bytes(store.compare_set(key, "", mine)).decode())
-    return Membership(int(decided["generation"]), tuple(str(h) for h in decided["hosts"]), str(decided["main"]))
+    for attempt_key in range(tries):
+        key = f"ugro-membership-{attempt}-{proposal.generation}" + (f"-{attempt_key}" if attempt_key else "")
+        decided = storedata.membership(bytes(store.compare_set(key, "", mine)), hosts, proposal.generation)
+        if isinstance(decided, Membership):
+            return decided
+        log.warning("refused the membership under %s in %s's store: %s", key, proposal.main, decided)
+    raise RuntimeError(f"no membership could be agreed in {proposal.main}'s store: {tries} keys held values no "
+                       "survivor could have proposed")  # fmt: skip

@@ -20,6 +20,7 @@ A joiner whose job differs from the group's (another job file or code) is refuse
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from train.config import ConfigError
 from train.dist import comm, distributed
 from train.dist.distributed import RankInfo
 from train.metrics import EVAL, METRICS, last_logged_step
-from train.recovery import door, failure, regroup
+from train.recovery import door, failure, regroup, storedata
 from train.recovery.comeback import JOIN_ENV, MARK
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 GROUP_KEY = "ugro-group"
 RECORD = "group.json"
 ASK_EVERY_S = 0.5
+REQUEST_WAIT_S = 10  # from counting a request in to writing it: one store round trip of the asker's
 
 
 @dataclass(frozen=True)
@@ -115,20 +117,23 @@ def _plan(info: RankInfo, generation: int, job_hash: str) -> Group | None:
     accepted: list[tuple[int, int]] = []  # (request, first rank)
     answered = count
     for index in range(door.unanswered(), count):
-        request = json.loads(store.get(f"{door.count_key(info.attempt)}-{index}"))
-        host = str(request["host"])
-        if host in hosts:  # its old ranks are gone but the group has not noticed yet: it waits for the regroup
+        request = _request(store, info.attempt, index)
+        if isinstance(request, str):
+            log.warning("refused rejoin request %d: %s", index, request)
+            store.set(door.answer_key(info.attempt, index), json.dumps({"refused": request}))
+            continue
+        if request.host in hosts:  # its old ranks are gone but the group has not noticed yet: it waits for the regroup
             answered = index
             break
-        if request["job_hash"] != job_hash:
-            why = (f"host {host} asked to rejoin with another job (hash {request['job_hash'][:12]} against the "
+        if request.job_hash != job_hash:
+            why = (f"host {request.host} asked to rejoin with another job (hash {request.job_hash[:12]} against the "
                    f"group's {job_hash[:12]}): sync the same job file and train code to every host")  # fmt: skip
             log.warning("refused a rejoin: %s", why)
             store.set(door.answer_key(info.attempt, index), json.dumps({"refused": why}))
             continue
         accepted.append((index, len(hosts)))
-        hosts += [host] * int(request["ranks"])
-        stores.append((host, str(request["store"])))
+        hosts += [request.host] * request.ranks
+        stores.append((request.host, request.store))
     door.answered(answered)
     if not accepted:
         return None
@@ -137,6 +142,17 @@ def _plan(info: RankInfo, generation: int, job_hash: str) -> Group | None:
         answer = {"group": json.loads(group.to_json()), "first_rank": first}
         store.set(door.answer_key(info.attempt, index), json.dumps(answer))
     return group
+
+
+def _request(store: dist.Store, attempt: int, index: int) -> storedata.Request | str:
+    """Request ``index`` at the door, or why it is refused (also one whose key never came: its asker died between
+    counting itself in and writing it)."""
+    key = f"{door.count_key(attempt)}-{index}"
+    try:
+        store.wait([key], datetime.timedelta(seconds=REQUEST_WAIT_S))  # its asker writes it right after counting
+    except RuntimeError:  # DistStoreError: not there in time
+        return f"counted but not written within {REQUEST_WAIT_S} s"
+    return storedata.request(store.get(key))
 
 
 # -- the joiner's side ----------------------------------------------------------------------------------------

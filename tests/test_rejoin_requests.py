@@ -1,0 +1,59 @@
+"""Requests to rejoin the group are checked before the main rank takes them: anyone who reaches the main host's
+regroup store can write one (a store has no login). A crafted request is refused, answered and named in the log; the
+main rank does not fail, and a member's request behind it is still taken in."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from train.dist.distributed import RankInfo
+from train.recovery import door, rejoin
+
+JOB_HASH = "ab" * 32
+
+
+@pytest.fixture()
+def store() -> dist.Store:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    door.keep(server, 0)
+    yield server
+    door.keep(None, 0)
+
+
+def _ask(store: dist.Store, request: object) -> int:
+    index = int(store.add(door.count_key(0), 1)) - 1
+    store.set(f"{door.count_key(0)}-{index}", request if isinstance(request, str) else json.dumps(request))
+    return index
+
+
+CRAFTED = [
+    {"host": "guest"},  # keys missing: the main rank once failed on request["job_hash"]
+    {"host": "guest", "ranks": 100000, "store": "10.0.0.9:4000", "job_hash": JOB_HASH},  # no bound on ranks
+    {"host": "guest", "ranks": True, "store": "10.0.0.9:4000", "job_hash": JOB_HASH},
+    {"host": "../../etc", "ranks": 1, "store": "10.0.0.9:4000", "job_hash": JOB_HASH},
+    {"host": "guest", "ranks": 1, "store": "10.0.0.9:99999", "job_hash": JOB_HASH},
+    {"host": "guest", "ranks": 1, "store": "10.0.0.9:4000", "job_hash": JOB_HASH, "extra": "x"},
+    "not json",
+]
+
+
+def test_crafted_requests_are_refused_and_a_members_request_behind_them_is_taken_in(
+    store: dist.Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    info = RankInfo(0, 0, 2, "h1", torch.device("cpu"), 0, ("h1", "h2"), 0, (("h1", "10.0.0.1:4000"),
+                                                                           ("h2", "10.0.0.2:4000")))  # fmt: skip
+    crafted = [_ask(store, request) for request in CRAFTED]
+    member = _ask(store, {"host": "h3", "ranks": 2, "store": "10.0.0.3:4000", "job_hash": JOB_HASH})
+    with caplog.at_level("WARNING"):
+        group = rejoin._plan(info, 0, JOB_HASH)
+    assert group is not None and group.hosts == ("h1", "h2", "h3", "h3")
+    assert dict(group.stores)["h3"] == "10.0.0.3:4000"
+    for index in crafted:
+        answer = json.loads(store.get(door.answer_key(0, index)))
+        assert set(answer) == {"refused"}, answer
+        assert f"refused rejoin request {index}: " in caplog.text, caplog.text
+    assert json.loads(store.get(door.answer_key(0, member)))["first_rank"] == 2

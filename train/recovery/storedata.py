@@ -1,0 +1,72 @@
+"""What a rank reads from a regroup store is checked before it is used: anyone who reaches a store's port can write
+to it (a store has no login), so a request to rejoin, or a membership found there, is taken only when it is one a
+member could have written. Each check returns the value, or why it is refused (the caller names it in the log and
+goes on without it)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from train.recovery.regroup import Membership
+
+MAX_RANKS_PER_HOST = 64  # torchrun's ranks of one host: GPUs, or CPU processes
+HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+ENDPOINT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,252}:(\d{1,5})$")
+JOB_HASH = re.compile(r"^[0-9a-f]{64}$")
+REQUEST_KEYS = frozenset({"host", "ranks", "store", "job_hash"})
+
+
+@dataclass(frozen=True)
+class Request:
+    """A host's request to come back into the group (train/recovery/rejoin.py ``come_in``)."""
+
+    host: str
+    ranks: int
+    store: str
+    job_hash: str
+
+
+def _text(raw: bytes | str) -> Any:
+    return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+
+
+def request(raw: bytes | str) -> Request | str:
+    """A rejoin request, or why it is not one a member's ranks could have written."""
+    try:
+        data = _text(raw)
+    except (ValueError, UnicodeDecodeError):
+        return "not JSON"
+    if not isinstance(data, dict) or set(data) != REQUEST_KEYS:
+        keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+        return f"its keys are {keys}, not {sorted(REQUEST_KEYS)}"
+    host, ranks, store, job_hash = data["host"], data["ranks"], data["store"], data["job_hash"]
+    if not isinstance(host, str) or not HOST.match(host):
+        return f"host {str(host)[:60]!r} is not a host name"
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS_PER_HOST:
+        return f"ranks {str(ranks)[:20]!r} is not a count of 1 to {MAX_RANKS_PER_HOST}"
+    port = ENDPOINT.match(store) if isinstance(store, str) else None
+    if port is None or not 1 <= int(port[1]) <= 65535:
+        return f"store {str(store)[:60]!r} is not an address:port"
+    if not isinstance(job_hash, str) or not JOB_HASH.match(job_hash):
+        return f"job_hash {str(job_hash)[:20]!r} is not a job's hash"
+    return Request(host, ranks, store, job_hash)
+
+
+def membership(raw: bytes | str, hosts: tuple[str, ...], generation: int) -> Membership | str:
+    """A membership the survivors of ``hosts`` could have proposed for ``generation``, or why not."""
+    try:
+        data = _text(raw)
+        found = Membership(int(data["generation"]), tuple(data["hosts"]), data["main"])
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+        return "not a membership"
+    if found.generation != generation:
+        return f"generation {found.generation}, not {generation}"
+    in_order = [h for h in hosts if h in set(found.hosts)]
+    if not found.hosts or list(found.hosts) != in_order or len(in_order) != len(found.hosts):
+        return f"hosts {[str(h)[:60] for h in found.hosts[:8]]} are not survivors of {list(hosts)} in their order"
+    if found.main not in found.hosts:
+        return f"main host {str(found.main)[:60]!r} is not one of them"
+    return found
