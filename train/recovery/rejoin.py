@@ -221,10 +221,16 @@ def come_in(run_dir: Path, info: RankInfo, job_hash: str, wait_s: int, timeout_s
         raise failure.RejoinError(
             f"{group.main}'s store went away while this host waited to be taken in: {failure.one_line(exc)}"
         ) from exc
-    if "refused" in answer:
+    if isinstance(answer, dict) and isinstance(answer.get("refused"), str):
         raise ConfigError(f"the run refused this host: {answer['refused']}")
-    grown = Group.from_json(json.dumps(answer["group"]))
-    return grown, int(answer["first_rank"]) + info.local_rank
+    try:
+        grown, first = Group.from_json(json.dumps(answer["group"])), int(answer["first_rank"])
+    except (ValueError, KeyError, TypeError) as exc:
+        why = f"{group.main}'s store answered with no group this host could join ({exc!r})"
+        raise failure.RejoinError(why) from exc
+    if not 0 <= first < len(grown.hosts) or grown.hosts[first] != info.host:
+        raise failure.RejoinError(f"{group.main}'s store answered with rank {first}, which is not this host's")
+    return grown, first + info.local_rank
 
 
 def clear_mark(run_dir: Path, host: str) -> None:
