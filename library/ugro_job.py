@@ -43,6 +43,11 @@ options:
   script:
     description: The launch script's text (rendered on the controller); required with O(state=started).
     type: str
+  job_key:
+    description: With O(state=started), the run's key (64 hex digits, made by the controller), written to
+      C(runs/<job>/job.key) (mode 0600) before the job starts; its ranks prove to each other with it what they write
+      to a store (train/recovery/jobkey.py).
+    type: str
   start_timeout_s:
     description: Seconds the started script has to write its pid file.
     type: float
@@ -99,6 +104,7 @@ remaining:
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.ugro_jobkey import write as write_job_key
 from ansible.module_utils.ugro_jobstate import HAS_PSUTIL, JOB_ID, job_pids, psutil_missing, start, stop
 
 
@@ -112,6 +118,7 @@ def main() -> None:
             "grace_s": {"type": "float", "default": 30.0},
             "script": {"type": "str"},
             "start_timeout_s": {"type": "float", "default": 30.0},
+            "job_key": {"type": "str", "no_log": True},
         },
         required_if=[("state", "started", ["script"])],
         supports_check_mode=True,
@@ -128,8 +135,10 @@ def main() -> None:
         if module.check_mode:
             module.exit_json(changed=True)
         try:
+            if module.params["job_key"]:
+                write_job_key(run_dir, module.params["job_key"])
             started = start(run_dir, host, module.params["script"], module.params["start_timeout_s"])
-        except (OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, ValueError) as exc:
             module.fail_json(msg=f"{host}: job {job_id} did not start: {exc}")
         module.exit_json(changed=True, **started)
     if module.check_mode:

@@ -39,6 +39,7 @@ from ugro.hosts import codesync
 from ugro.hosts.inventory import Cluster, InventoryError, read_cluster
 from ugro.hosts.playbook import REPO, RUNS_ENV, PlaybookRun, run_playbook, runs_dir
 from ugro.model.jsonfile import read_object
+from ugro.module_utils import ugro_jobkey
 from ugro.run import attach, phases, settings
 from ugro.run.supervisor import LaunchError, Outcome, Supervisor
 from ugro.schedulers import render as schedulers
@@ -356,7 +357,9 @@ def train(
     control = run_dir / ".control"
     code_hash = codesync.pack(REPO, control / "code.tar.gz")
     timing.mark("code archive")
+    ugro_jobkey.controller_key(run_dir)  # made at the first launch, the same at every relaunch
     extravars = launch | {
+        "ugro_job_key_file": str(run_dir / ugro_jobkey.FILE),
         "ugro_code_archive": str(control / "code.tar.gz"),
         "ugro_code_hash": code_hash,
         "ugro_model_dirs": jobcheck.model_dirs(job, REPO),

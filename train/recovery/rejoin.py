@@ -34,7 +34,7 @@ from train.config import ConfigError
 from train.dist import comm, distributed
 from train.dist.distributed import RankInfo
 from train.metrics import EVAL, METRICS, last_logged_step
-from train.recovery import door, failure, regroup, storedata
+from train.recovery import door, failure, jobkey, regroup, storedata
 from train.recovery.comeback import JOIN_ENV, MARK
 
 log = logging.getLogger(__name__)
@@ -96,11 +96,11 @@ def publish(run_dir: Path, info: RankInfo, generation: int, job_hash: str) -> No
 # -- the group's side: taking the joiners in ------------------------------------------------------------
 
 
-def admit(info: RankInfo, generation: int, job_hash: str, timeout_s: int) -> tuple[RankInfo, Group] | None:
+def admit(info: RankInfo, generation: int, job_hash: str, timeout_s: int, key: bytes) -> tuple[RankInfo, Group] | None:
     """Collective over the group, after a step whose exchange announced joiners (train/recovery/door.py ``due``): the
     main rank reads their requests and names the grown group; everyone forms it. None when no request could be taken in
     now (refused, or from a host the group has not yet noticed is gone): the group is unchanged."""
-    plan = _plan(info, generation, job_hash) if info.is_main else None
+    plan = _plan(info, generation, job_hash, key) if info.is_main else None
     door.spent()
     chosen = regroup.gather_objects(plan, comm.control_group())[info.main_rank]
     if chosen is None:
@@ -108,7 +108,7 @@ def admit(info: RankInfo, generation: int, job_hash: str, timeout_s: int) -> tup
     return distributed.enter(info, chosen, info.rank, timeout_s), chosen
 
 
-def _plan(info: RankInfo, generation: int, job_hash: str) -> Group | None:
+def _plan(info: RankInfo, generation: int, job_hash: str, key: bytes) -> Group | None:
     """The main rank: the group grown by the hosts that asked (answering each request), or None."""
     store = door.store()
     assert store is not None  # the main rank's process serves its host's store
@@ -117,7 +117,7 @@ def _plan(info: RankInfo, generation: int, job_hash: str) -> Group | None:
     accepted: list[tuple[int, int]] = []  # (request, first rank)
     answered = count
     for index in range(door.unanswered(), count):
-        request = _request(store, info.attempt, index)
+        request = _request(store, info.attempt, index, key)
         if isinstance(request, str):
             log.warning("refused rejoin request %d: %s", index, request)
             store.set(door.answer_key(info.attempt, index), json.dumps({"refused": request}))
@@ -144,15 +144,15 @@ def _plan(info: RankInfo, generation: int, job_hash: str) -> Group | None:
     return group
 
 
-def _request(store: dist.Store, attempt: int, index: int) -> storedata.Request | str:
+def _request(store: dist.Store, attempt: int, index: int, key: bytes) -> storedata.Request | str:
     """Request ``index`` at the door, or why it is refused (also one whose key never came: its asker died between
     counting itself in and writing it)."""
-    key = f"{door.count_key(attempt)}-{index}"
+    name = f"{door.count_key(attempt)}-{index}"
     try:
-        store.wait([key], datetime.timedelta(seconds=REQUEST_WAIT_S))  # its asker writes it right after counting
+        store.wait([name], datetime.timedelta(seconds=REQUEST_WAIT_S))  # its asker writes it right after counting
     except RuntimeError:  # DistStoreError: not there in time
         return f"counted but not written within {REQUEST_WAIT_S} s"
-    return storedata.request(store.get(key))
+    return storedata.request(store.get(name), key)
 
 
 # -- the joiner's side ----------------------------------------------------------------------------------------
@@ -197,6 +197,7 @@ def come_in(run_dir: Path, info: RankInfo, job_hash: str, wait_s: int, timeout_s
         index = int(store.add(door.count_key(group.attempt), 1)) - 1
         request = {"host": info.host, "ranks": info.world_size, "store": dict(info.stores).get(info.host, ""),
                    "job_hash": job_hash}  # fmt: skip
+        request["proof"] = jobkey.proof(jobkey.ensure(run_dir), request)
         store.set(f"{door.count_key(group.attempt)}-{index}", json.dumps(request))
         log.info("asked %s to take this host back into the group (generation %d: %s)", group.main, group.generation,
                  ", ".join(dict.fromkeys(group.hosts)))  # fmt: skip

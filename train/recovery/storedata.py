@@ -10,13 +10,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from train.recovery import jobkey
 from train.recovery.regroup import Membership
 
 MAX_RANKS_PER_HOST = 64  # torchrun's ranks of one host: GPUs, or CPU processes
 HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 ENDPOINT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,252}:(\d{1,5})$")
 JOB_HASH = re.compile(r"^[0-9a-f]{64}$")
-REQUEST_KEYS = frozenset({"host", "ranks", "store", "job_hash"})
+REQUEST_KEYS = frozenset({"host", "ranks", "store", "job_hash", "proof"})
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,9 @@ def _text(raw: bytes | str) -> Any:
     return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
 
 
-def request(raw: bytes | str) -> Request | str:
-    """A rejoin request, or why it is not one a member's ranks could have written."""
+def request(raw: bytes | str, key: bytes) -> Request | str:
+    """A rejoin request, or why it is not one a member's ranks could have written: its fields well formed and proven
+    with the run's key (train/recovery/jobkey.py; the job's hash alone is no proof: every store publishes it)."""
     try:
         data = _text(raw)
     except (ValueError, UnicodeDecodeError):
@@ -52,6 +54,9 @@ def request(raw: bytes | str) -> Request | str:
         return f"store {str(store)[:60]!r} is not an address:port"
     if not isinstance(job_hash, str) or not JOB_HASH.match(job_hash):
         return f"job_hash {str(job_hash)[:20]!r} is not a job's hash"
+    if not jobkey.proves(key, {k: v for k, v in data.items() if k != "proof"}, data["proof"]):
+        return (f"host {host}'s request is not proven with the run's key ({jobkey.FILE} in the run directory: every "
+                "host of a launch gets the controller's)")  # fmt: skip
     return Request(host, ranks, store, job_hash)
 
 

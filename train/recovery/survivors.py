@@ -17,7 +17,7 @@ from train.dist import distributed
 from train.dist.distributed import RankInfo
 from train.layout import engine
 from train.metrics import RANK_STATUS, last_logged_step, write_status
-from train.recovery import consensus, failure, regroup, rejoin
+from train.recovery import consensus, failure, jobkey, regroup, rejoin
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ def take_in(
     """After step ``done``: the group takes in the hosts that asked to come back (train/recovery/rejoin.py ``admit``);
     None when it took nobody in."""
     began = time.time()
-    admitted = rejoin.admit(info, watch.generation, job.cluster_hash(), job.distributed.timeout_s)
+    admitted = rejoin.admit(info, watch.generation, job.cluster_hash(), job.distributed.timeout_s,
+                            jobkey.ensure(run_dir))  # fmt: skip
     if admitted is None:
         return None
     new, grown = admitted
