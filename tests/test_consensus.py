@@ -72,18 +72,19 @@ def test_every_rank_takes_the_first_proposal_that_reached_the_new_main_hosts_sto
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
     first = Membership(1, ("h1", "h3", "h4"), "h1")
     late = Membership(1, ("h1", "h3"), "h1")  # a rank whose probe missed h4 for a moment
-    hosts = ("h1", "h2", "h3", "h4")
-    assert consensus.agree(first, client, 0, hosts) == first
-    assert consensus.agree(late, server, 0, hosts) == first
+    hosts, key = ("h1", "h2", "h3", "h4"), bytes(range(32))
+    assert consensus.agree(first, client, 0, hosts, key) == first
+    assert consensus.agree(late, server, 0, hosts, key) == first
     # The next generation, and another launch, are agreed anew.
-    assert consensus.agree(late, client, 1, hosts) == late
-    assert consensus.agree(Membership(2, ("h1",), "h1"), server, 0, hosts) == Membership(2, ("h1",), "h1")
+    assert consensus.agree(late, client, 1, hosts, key) == late
+    assert consensus.agree(Membership(2, ("h1",), "h1"), server, 0, hosts, key) == Membership(2, ("h1",), "h1")
 
 
 @pytest.mark.parametrize(
     "planted",
     [
         '{"generation": 1, "hosts": [], "main": "h1"}',  # nobody
+        '{"generation": 1, "hosts": ["h1"], "main": "h1"}',  # well formed (h3 left out), but not proven
         '{"generation": 1, "hosts": ["h1", "guest"], "main": "guest"}',  # a host that was never a member
         '{"generation": 7, "hosts": ["h1"], "main": "h1"}',  # another generation
         '{"generation": 1, "hosts": ["h3", "h1"], "main": "h1"}',  # out of the run's order
@@ -100,9 +101,10 @@ def test_a_membership_planted_in_the_store_before_the_survivors_is_refused_and_t
     hosts = ("h1", "h2", "h3")
     server.set("ugro-membership-0-1", planted)
     mine, theirs = Membership(1, ("h1", "h3"), "h1"), Membership(1, ("h1",), "h1")
+    key = bytes(range(32))
     with caplog.at_level("WARNING"):
-        assert consensus.agree(mine, client, 0, hosts) == mine
-        assert consensus.agree(theirs, server, 0, hosts) == mine  # the same key skipped, the same one taken
+        assert consensus.agree(mine, client, 0, hosts, key) == mine
+        assert consensus.agree(theirs, server, 0, hosts, key) == mine  # the same key skipped, the same one taken
     assert "refused the membership under ugro-membership-0-1" in caplog.text, caplog.text
 
 

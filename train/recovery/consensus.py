@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from train.recovery import storedata
+from train.recovery import jobkey, storedata
 from train.recovery.regroup import HEARTBEAT_S, SILENT_AFTER, Membership
 
 log = logging.getLogger(__name__)
@@ -98,18 +98,20 @@ def propose(hosts: tuple[str, ...], main: str, view: View, generation: int) -> M
     return Membership(generation + 1, alive, main if main in alive else alive[0])
 
 
-def agree(proposal: Membership, store: dist.Store, attempt: int, hosts: tuple[str, ...],
+def agree(proposal: Membership, store: dist.Store, attempt: int, hosts: tuple[str, ...], key: bytes,
           tries: int = AGREE_TRIES) -> Membership:  # fmt: skip
     """The membership the survivors of ``hosts`` take for ``proposal``'s generation: the first proposed at the new
-    main host's store (``store``), this one if it came first. A value there that no survivor could have proposed
-    (anyone who reaches the store can write it first) is refused, named in the log, and the next key tried: every
-    survivor reads the same values in the same order, so they skip the same ones and still agree."""
-    mine = json.dumps({"generation": proposal.generation, "hosts": list(proposal.hosts), "main": proposal.main})
+    main host's store (``store``), this one if it came first. Each is proven with the run's key
+    (train/recovery/jobkey.py); a value there that no survivor could have proposed (anyone who reaches the store can
+    write it first) is refused, named in the log, and the next key tried: every survivor reads the same values in the
+    same order, so they skip the same ones and still agree."""
+    fields = storedata.membership_fields(proposal)
+    mine = json.dumps(fields | {"proof": jobkey.proof(key, fields)})
     for attempt_key in range(tries):
-        key = f"ugro-membership-{attempt}-{proposal.generation}" + (f"-{attempt_key}" if attempt_key else "")
-        decided = storedata.membership(bytes(store.compare_set(key, "", mine)), hosts, proposal.generation)
+        name = f"ugro-membership-{attempt}-{proposal.generation}" + (f"-{attempt_key}" if attempt_key else "")
+        decided = storedata.membership(bytes(store.compare_set(name, "", mine)), hosts, proposal.generation, key)
         if isinstance(decided, Membership):
             return decided
-        log.warning("refused the membership under %s in %s's store: %s", key, proposal.main, decided)
+        log.warning("refused the membership under %s in %s's store: %s", name, proposal.main, decided)
     raise RuntimeError(f"no membership could be agreed in {proposal.main}'s store: {tries} keys held values no "
                        "survivor could have proposed")  # fmt: skip

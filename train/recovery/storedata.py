@@ -60,12 +60,18 @@ def request(raw: bytes | str, key: bytes) -> Request | str:
     return Request(host, ranks, store, job_hash)
 
 
-def membership(raw: bytes | str, hosts: tuple[str, ...], generation: int) -> Membership | str:
-    """A membership the survivors of ``hosts`` could have proposed for ``generation``, or why not."""
+def membership_fields(proposal: Membership) -> dict[str, Any]:
+    return {"generation": proposal.generation, "hosts": list(proposal.hosts), "main": proposal.main}
+
+
+def membership(raw: bytes | str, hosts: tuple[str, ...], generation: int, key: bytes) -> Membership | str:
+    """A membership the survivors of ``hosts`` could have proposed for ``generation``, proven with the run's key, or
+    why not."""
     try:
         data = _text(raw)
         found = Membership(int(data["generation"]), tuple(data["hosts"]), data["main"])
-    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+        proof = data.get("proof")
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
         return "not a membership"
     if found.generation != generation:
         return f"generation {found.generation}, not {generation}"
@@ -74,4 +80,6 @@ def membership(raw: bytes | str, hosts: tuple[str, ...], generation: int) -> Mem
         return f"hosts {[str(h)[:60] for h in found.hosts[:8]]} are not survivors of {list(hosts)} in their order"
     if found.main not in found.hosts:
         return f"main host {str(found.main)[:60]!r} is not one of them"
+    if not jobkey.proves(key, membership_fields(found), proof):
+        return f"not proven with the run's key ({jobkey.FILE})"
     return found

@@ -198,7 +198,7 @@ def who_is_left(
             continue
         try:
             store = distributed.regroup_store(info, proposal.main, timeout_s)
-            return consensus.agree(proposal, store, info.attempt, hosts), "survivors"
+            return consensus.agree(proposal, store, info.attempt, hosts, jobkey.ensure(run_dir)), "survivors"
         except (RuntimeError, regroup.GroupLost) as exc:  # the new main host went too: look again
             log.warning("could not agree on %s through %s's store: %s", ", ".join(proposal.hosts), proposal.main,
                         failure.one_line(exc))  # fmt: skip
