@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 from helpers import run_module
 
+from ugro.module_utils import ugro_jobstate
+
 REPO = Path(__file__).resolve().parent.parent
 HOST = "node4070"  # the inventory name the roles pass as `host`
 
@@ -279,6 +281,9 @@ def test_a_bad_job_id_is_one_error_naming_host_and_key(tmp_path: Path) -> None:
     assert (
         result["failed"] and result["msg"] == f"{HOST}: job_id '../etc' is not a job id such as default-20261121-190000"
     )
+    # `$` would let a trailing newline through (a path, a log line or a command of two lines).
+    assert ugro_jobstate.JOB_ID.match("default-1") and not ugro_jobstate.JOB_ID.match("default-1\n")
+    assert run_module("ugro_job", {"code_dir": str(tmp_path), "job_id": "default-1\n", "host": HOST})["failed"]
 
 
 def test_a_python_without_psutil_fails_naming_host_and_fix(tmp_path: Path) -> None:

@@ -14,9 +14,9 @@ from train.recovery import jobkey
 from train.recovery.regroup import Membership
 
 MAX_RANKS_PER_HOST = 64  # torchrun's ranks of one host: GPUs, or CPU processes
-HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
-ENDPOINT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,252}:(\d{1,5})$")
-JOB_HASH = re.compile(r"^[0-9a-f]{64}$")
+HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}\Z")
+ENDPOINT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,252}:(\d{1,5})\Z")
+JOB_HASH = re.compile(r"^[0-9a-f]{64}\Z")
 REQUEST_KEYS = frozenset({"host", "ranks", "store", "job_hash", "proof"})
 
 

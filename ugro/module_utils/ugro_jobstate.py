@@ -57,7 +57,7 @@ LAUNCH_LOG = "torchrun.log"
 EXIT_CODE = "exit_code"
 PROGRESS_KEYS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s")
 # A job id as the controller makes them (default-20261121-190000): one path component.
-JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 RUN_KEYS = ("last_checkpoint", "resumed", "regrouped", "regroups", "cause", "phases")
 
 

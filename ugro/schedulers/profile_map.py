@@ -34,7 +34,7 @@ LAN_PROFILES = REPO / "roles" / "memory_profile" / "defaults" / "main.yml"
 KEYS = ("profiles", "match", "default", "node_selectors")
 MATCH_KINDS = ("gpu", "feature")
 # A profile name becomes a file name and a Kubernetes object name.
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,40}$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,40}\Z")
 # Kubernetes label keys ([prefix/]name) and values.
 LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")

@@ -26,7 +26,7 @@ from ugro.schedulers import profile_map
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 PORT_BASE, PORT_SPAN = 29500, 1000
 # A path SLURM takes in an #SBATCH line (no quoting there) and bash takes unquoted in node.sh's globs.
-SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+-]+$")
+SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+-]+\Z")
 TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # minutes, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 
 
