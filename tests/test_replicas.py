@@ -142,3 +142,17 @@ def test_checkpoints_written_faster_than_copied_are_copied_with_rests_between(tm
     assert all(b - a >= 0.3 * 3 - 0.05 for a, b in itertools.pairwise(starts)), copies.started
     names = [n for n, _ in copies.started]
     assert names == sorted(names) and len(set(names)) == len(names)  # each time the newest, never one twice
+
+
+@pytest.mark.parametrize("name", ["..", ".", "/etc", "step-000004/../..", "step-x", ""])
+def test_a_checkpoint_name_from_a_hosts_report_that_is_not_one_copies_nothing(tmp_path: Path, name: str) -> None:
+    """A host reports its newest checkpoint's name; one that is no checkpoint's (``..`` with an empty manifest once
+    made the controller replace its own run directory) is refused before any copy, and the run directory stays."""
+    run_dir = tmp_path / "runs" / "job-1"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    copies = Replicator(tmp_path / "inventory.yml", run_dir, tmp_path / "ansible", keep_last=3, remote=True)
+    why = copies.fetch("tb2", name)
+    assert why is not None and "is not a checkpoint's name (step-NNNNNN); nothing was copied" in why, why
+    assert (run_dir / "metrics.jsonl").read_text() == "{}\n"
+    assert not (tmp_path / "ansible").exists()  # no playbook ran

@@ -73,6 +73,10 @@ class Replicator:
         is intact, else why not (also when ``cancelled`` said to stop)."""
         if not self.remote:
             return None
+        if ugro_checkpoints.step_of(Path(name)) is None or Path(name).name != name:
+            # The name comes from the host's own report: "..", "/" or a path would make `final` the run directory
+            # (or anything), which the copy then replaces.
+            return f"{host}: {name[:80]!r} is not a checkpoint's name (step-NNNNNN); nothing was copied"
         root = self.run_dir / "checkpoints"
         final = root / name
         if final.is_dir() and ugro_checkpoints.problem(final) is None:
