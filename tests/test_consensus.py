@@ -109,9 +109,12 @@ def test_a_membership_planted_in_the_store_before_the_survivors_is_refused_and_t
 
 
 def _exporter_poll(runs: Path, query: str) -> dict[str, Any]:
-    app = ugro_exporter.application(lambda environ, start: [b""], runs, "h1")
+    """A poll of h1's exporter from the controller (10.0.0.1), which keeps its marks in runs/exporter/followed."""
+    marks = ugro_exporter.FollowMarks(runs / "exporter", "h1", ["10.0.0.1"])
+    app = ugro_exporter.application(lambda environ, start: [b""], runs, "h1", marks)
     answer: list[str] = []
-    body = app({"PATH_INFO": "/job/job-1", "QUERY_STRING": query}, lambda code, headers: answer.append(code))
+    environ = {"PATH_INFO": "/job/job-1", "QUERY_STRING": query, "REMOTE_ADDR": "10.0.0.1"}
+    body = app(environ, lambda code, headers: answer.append(code))
     assert answer == ["200 OK"]
     return dict(json.loads(b"".join(body)))
 
@@ -119,23 +122,26 @@ def _exporter_poll(runs: Path, query: str) -> dict[str, Any]:
 def test_a_host_knows_whether_a_controller_follows_the_run_from_its_polls(tmp_path: Path) -> None:
     run_dir = tmp_path / "job-1"
     (run_dir / "hosts" / "h1").mkdir(parents=True)
+    # The exporter's record of the controller's polls (its own directory: tests/test_exporter_security.py).
+    marks = tmp_path / "exporter" / ugro_exporter.FOLLOWED_DIR
     # `make status` and the dashboards ask without following: the ranks would wait for nobody.
     _exporter_poll(tmp_path, "main=1")
     ugro_jobstate.status(run_dir, "h1", main=True)
-    assert not consensus.controller_follows(run_dir, "h1")
+    assert not consensus.controller_follows(run_dir, "h1", marks=marks)
     # The following controller's poll, over HTTP every 2 s.
-    _exporter_poll(tmp_path, "main=1&follow=2")
-    assert consensus.controller_follows(run_dir, "h1")
+    assert _exporter_poll(tmp_path, "main=1&follow=2")["follow"] == "recorded"
+    assert consensus.controller_follows(run_dir, "h1", marks=marks)
     # It stopped asking (Ctrl-C, a sleeping laptop): after three polls and the grace, the ranks decide themselves.
     later = time.time() + 3 * 2 + consensus.FOLLOW_GRACE_S + 1
-    assert not consensus.controller_follows(run_dir, "h1", now=later)
-    # The fact module's poll (through Ansible) records it the same way.
+    assert not consensus.controller_follows(run_dir, "h1", now=later, marks=marks)
+    # The fact module's poll (through Ansible, as the job's user) records it in the run.
     ugro_jobstate.status(run_dir, "h1", main=False, follow_poll_s=30)
-    assert consensus.controller_follows(run_dir, "h1", now=later)
+    assert consensus.controller_follows(run_dir, "h1", now=later, marks=marks)
     # A query that is not a number follows nothing.
     (run_dir / "hosts" / "h1" / ugro_jobstate.FOLLOWED).unlink()
+    (marks / "job-1" / "h1.json").unlink()
     _exporter_poll(tmp_path, "follow=soon")
-    assert not consensus.controller_follows(run_dir, "h1")
+    assert not consensus.controller_follows(run_dir, "h1", marks=marks)
 
 
 def test_under_a_batch_scheduler_the_survivors_never_decide_themselves(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,9 +3,11 @@
 A controller that follows the run names the survivors (``playbooks/regroup.yml`` writes ``membership.json``:
 train/recovery/regroup.py ``Watcher``). Once the user pressed Ctrl-C, closed the terminal, or the laptop that ran the
 controller went to sleep, nobody would: the survivors would wait ``distributed.regroup_timeout_s`` and fail. So
-each host records when the following controller last asked it (``hosts/<host>/followed.json``, written by the
-status the controller polls: ugro/module_utils/ugro_jobstate.py ``mark_followed``), and while that is older than
-three of its polls the ranks decide themselves:
+each host records when the following controller last asked it, and while that is older than three of its polls the
+ranks decide themselves. The record is the node exporter's where the controller polls it over HTTP
+(``/run/ugro-exporter/followed/<job-id>/<host>.json``: only a poll from the controller's address sets it,
+ugro/module_utils/ugro_exporter.py ``FollowMarks``), and ``hosts/<host>/followed.json`` where it polls through
+Ansible or reads its own checkout (written as the job's user: ugro/module_utils/ugro_jobstate.py ``mark_followed``):
 
 - ``probe``: every other host's regroup store, a TCP connect each, ``regroup.SILENT_AFTER`` rounds. A refused
   connect is a host that is up but whose job is gone (``down``); one that never answers is a cut link or a dead
@@ -38,16 +40,24 @@ log = logging.getLogger(__name__)
 FOLLOWED = "followed.json"  # ugro/module_utils/ugro_jobstate.py FOLLOWED
 AGREE_TRIES = 8  # keys tried when the store holds values no survivor proposed
 FOLLOW_GRACE_S = 10.0  # beyond three polls: a playbook poll's own time on a busy controller
+EXPORTER_MARKS = Path("/run/ugro-exporter/followed")  # ugro/module_utils/ugro_exporter.py STATE_DIR / FOLLOWED_DIR
 
 
-def controller_follows(run_dir: Path, host: str, now: float | None = None) -> bool:
-    """Whether a controller asked this host recently enough that it will name who is left after a fault."""
+def controller_follows(run_dir: Path, host: str, now: float | None = None, marks: Path = EXPORTER_MARKS) -> bool:
+    """Whether a controller asked this host recently enough that it will name who is left after a fault: the node
+    exporter's record of its polls (in ``marks``) or the run's own."""
+    now = time.time() if now is None else now
+    records = (marks / run_dir.name / f"{host}.json", run_dir / "hosts" / host / FOLLOWED)
+    return any(_asked_within(path, now) for path in records)
+
+
+def _asked_within(record: Path, now: float) -> bool:
     try:
-        record = json.loads((run_dir / "hosts" / host / FOLLOWED).read_text(encoding="utf-8"))
-        asked, poll_s = float(record["time"]), float(record["poll_s"])
+        found = json.loads(record.read_text(encoding="utf-8"))
+        asked, poll_s = float(found["time"]), float(found["poll_s"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return (time.time() if now is None else now) - asked <= 3 * poll_s + FOLLOW_GRACE_S
+    return now - asked <= 3 * poll_s + FOLLOW_GRACE_S
 
 
 @dataclass(frozen=True)

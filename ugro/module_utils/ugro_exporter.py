@@ -4,7 +4,7 @@
 Role ``exporter`` installs this file (with ``ugro_jobstate.py`` beside it) on every host and runs it as a
 service (a systemd unit, or a detached process with a pid file where there is no systemd)::
 
-    python3 ugro_exporter.py serve --listen 10.0.0.11 --port 9840 --host node4070 --runs-dir /opt/ugro/runs
+    python3 ugro_exporter.py serve --listen 10.0.0.11 --port 9840 --host node4070 --controller 10.0.0.2
     python3 ugro_exporter.py status --pid-file /run/ugro-exporter.pid    # exit 0 serving, 3 not
     python3 ugro_exporter.py stop --pid-file /run/ugro-exporter.pid
 
@@ -24,7 +24,13 @@ What it serves at ``/metrics`` (``FAMILIES`` lists every name; base units, ``_to
 At ``/job/<job-id>`` (``?main=1`` on the host that keeps the run) it serves the job's state on this host as JSON:
 what the status playbook's fact module returns (``ugro_jobstate.status``), with ``jobstate``, the hash of the
 ``ugro_jobstate.py`` it runs. The controller reads it there while it follows a run (ugro/monitoring/jobstates.py),
-where the hash is its own, and asks through Ansible where not. 404 where this host has no such run.
+where the hash is its own, and asks through Ansible where not. 404 where this host has no such run. Its poll
+(``?follow=<poll_s>``) from the controller's address (``--controller``) records that a controller follows the run, in
+the exporter's own directory (``FollowMarks``), where the ranks read it; a request never writes into a run's
+directory (the job user's).
+
+Anyone the firewall lets reach the port (every member, Prometheus) is a client: one thread reads every request whole
+and a few workers answer (``Limits``), so that a client that sends half a request and waits holds no worker.
 
 Nothing is sampled between scrapes: a scrape reads NVML, psutil and a few small files and returns.
 Standard library, prometheus_client and psutil (pynvml optional), so it runs with the node's venv or
@@ -35,20 +41,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import io
+import ipaddress
 import json
 import logging
 import os
+import queue
+import selectors
+import shutil
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from socketserver import ThreadingMixIn
 from typing import Any
 from urllib.parse import parse_qs
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 if __package__:  # imported as ugro.module_utils.ugro_exporter (the controller's dashboard and the tests)
     from ugro.module_utils import ugro_jobstate
@@ -399,19 +412,25 @@ def exposition(collector: Collector) -> str:
 
 JOB_PATH = "/job/"
 App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+# The exporter's own directory: systemd creates it for the unit's dynamic user (RuntimeDirectory=ugro-exporter,
+# role exporter's unit); without systemd the exporter creates it. Nobody else can write there.
+STATE_DIR = Path("/run/ugro-exporter")
+# <STATE_DIR>/followed/<job-id>/<host>.json: when the following controller last asked, and how often it asks (the
+# format of ugro_jobstate.FOLLOWED). The ranks read it there (train/recovery/consensus.py EXPORTER_MARKS).
+FOLLOWED_DIR = "followed"
+FORGET_MARKS_S = 7 * 86400  # the marks of runs nobody followed for a week are removed when a new run is followed
+_WARNINGS = 64  # distinct warnings logged once each; beyond, none (any client can make them up)
 
 
-def job_state(
-    runs_dir: Path, host: str, job_id: str, main: bool, follow_poll_s: float = 0.0
-) -> tuple[str, dict[str, Any]]:
+def job_state(runs_dir: Path, host: str, job_id: str, main: bool) -> tuple[str, dict[str, Any]]:
     """The HTTP status and JSON body of ``/job/<job_id>``: the job's state on this host, or why there is none.
-    ``follow_poll_s``: asked by the controller that follows the run (``?follow=<seconds between its polls>``)."""
+    Reading it writes nothing (the run's directory is the job user's)."""
     if not ugro_jobstate.JOB_ID.match(job_id):
         return "400 Bad Request", {"error": f"'{job_id}' is not a job id such as default-20261121-190000"}
     run_dir = runs_dir / job_id
     if not (run_dir / "hosts" / host).is_dir():
         return "404 Not Found", {"error": f"{host} has no run {job_id} in {runs_dir}"}
-    return "200 OK", {**ugro_jobstate.status(run_dir, host, main, follow_poll_s), "jobstate": JOBSTATE}
+    return "200 OK", {**ugro_jobstate.status(run_dir, host, main), "jobstate": JOBSTATE}
 
 
 def _seconds(values: list[str] | None) -> float:
@@ -423,16 +442,130 @@ def _seconds(values: list[str] | None) -> float:
     return seconds if 0 < seconds < 86400 else 0.0
 
 
-def application(metrics: App, runs_dir: Path, host: str) -> App:
-    """``metrics`` everywhere but under /job/."""
+def client_address(address: str) -> str:
+    """A client's address as the controller's is given (an IPv4 client of an IPv6 socket as IPv4, no zone)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return address
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return str(mapped or ip)
+
+
+def own_directory(path: Path) -> str | None:
+    """Make ``path`` the exporter's own directory, mode 0755 (created where missing): why it cannot be, or None.
+    Another user's directory is refused: nothing is written there."""
+    try:
+        path.mkdir(mode=0o755, exist_ok=True)
+        info = path.stat()
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) != 0o755:
+            path.chmod(0o755)
+            info = path.stat()
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{path} is not a directory"
+    if info.st_uid != os.geteuid():
+        return f"{path} belongs to uid {info.st_uid}, not to the exporter's ({os.geteuid()})"
+    return None
+
+
+def _write_file(directory: Path, name: str, data: bytes) -> None:
+    """``data`` as ``directory/name`` (mode 0644), replaced whole, never through a symlink."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    partial = f".{name}.{threading.get_ident()}.tmp"
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial, dir_fd=dir_fd)  # left by a crash: unlink removes a link, never its target
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                     dir_fd=dir_fd)  # fmt: skip
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), 0o644)  # whatever the umask: the ranks, another user, read it
+            fh.write(data)
+        os.replace(partial, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _made(directory: Path) -> bool:
+    """Create ``directory`` (mode 0755) where it is missing: whether this call created it."""
+    try:
+        directory.mkdir(mode=0o755)
+    except FileExistsError:
+        return False
+    return True
+
+
+class FollowMarks:
+    """The exporter's record that the controller follows a run: ``<state_dir>/followed/<job-id>/<host>.json``.
+
+    Only a poll from one of ``controllers`` (the controller's address as this host sees it: role exporter gives the
+    client address of the controller's SSH connection, the firewall's rule for the controller) records one: the
+    port is open to every member and to Prometheus, and the mark makes the ranks leave a lost host to the controller's
+    word. The file is in the exporter's own directory, never in the run's (the job user's)."""
+
+    def __init__(self, state_dir: Path, host: str, controllers: Iterable[str]) -> None:
+        self.dir = state_dir / FOLLOWED_DIR
+        self.host = host
+        self.controllers = frozenset(client_address(c) for c in controllers)
+        self.problem = own_directory(state_dir) or own_directory(self.dir)
+        if self.problem is None and not ugro_jobstate.JOB_ID.match(host):
+            self.problem = f"the host's name {host!r} cannot name a file"
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def record(self, job_id: str, poll_s: float, client: str) -> str:
+        """Record that the controller asked for ``job_id`` now and asks again within ``poll_s`` where ``client`` is
+        the controller: "recorded", or why not (the answer says it, the log once)."""
+        if client not in self.controllers:
+            why = f"{client} is not the controller ({', '.join(sorted(self.controllers)) or 'none given'}"
+            return self._not_recorded(f"{why}: exporter_controller_address)")
+        if self.problem is not None:
+            return self._not_recorded(self.problem)
+        job_dir = self.dir / job_id
+        try:
+            if _made(job_dir):
+                self._forget_old(job_id)
+            _write_file(
+                job_dir, f"{self.host}.json", json.dumps({"time": round(time.time(), 3), "poll_s": poll_s}).encode()
+            )
+        except OSError as exc:
+            return self._not_recorded(f"{job_dir}: {exc.strerror or exc}")
+        return "recorded"
+
+    def _not_recorded(self, why: str) -> str:
+        with self._lock:
+            first = why not in self._warned and len(self._warned) < _WARNINGS
+            if first:
+                self._warned.add(why)
+        if first:
+            log.warning("a poll that follows a run is not recorded (the ranks count no controller): %s", why)
+        return f"not recorded: {why}"
+
+    def _forget_old(self, keep: str) -> None:
+        """Remove the marks of the runs nobody followed for ``FORGET_MARKS_S`` (the directory is the exporter's)."""
+        cutoff = time.time() - FORGET_MARKS_S
+        for job_dir in self.dir.iterdir():
+            with contextlib.suppress(OSError):
+                if job_dir.name != keep and job_dir.lstat().st_mtime < cutoff:
+                    shutil.rmtree(job_dir)
+
+
+def application(metrics: App, runs_dir: Path, host: str, marks: FollowMarks | None = None) -> App:
+    """``metrics`` everywhere but under /job/. ``?follow=<poll_s>`` on /job/ records the controller's poll in
+    ``marks`` where it comes from the controller (and the answer's ``follow`` says whether it was recorded)."""
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = str(environ.get("PATH_INFO") or "")
         if not path.startswith(JOB_PATH):
             return metrics(environ, start_response)
         query = parse_qs(str(environ.get("QUERY_STRING") or ""))
-        main = query.get("main") == ["1"]
-        code, body = job_state(runs_dir, host, path[len(JOB_PATH) :], main, _seconds(query.get("follow")))
+        job_id = path[len(JOB_PATH) :]
+        code, body = job_state(runs_dir, host, job_id, query.get("main") == ["1"])
+        poll_s = _seconds(query.get("follow"))
+        if poll_s > 0 and code.startswith("200"):
+            client = client_address(str(environ.get("REMOTE_ADDR") or ""))
+            body["follow"] = marks.record(job_id, poll_s, client) if marks else "not recorded: no follow marks here"
         data = json.dumps(body).encode()
         start_response(code, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
         return [data]
@@ -440,20 +573,201 @@ def application(metrics: App, runs_dir: Path, host: str) -> App:
     return app
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a thread per request, none kept for a join at exit
+@dataclass(frozen=True)
+class Limits:
+    """What clients can hold of the exporter. One thread accepts connections and reads each request whole, without
+    blocking on any; only whole requests reach the ``workers``. A client that has not sent its request within
+    ``request_s`` of connecting is dropped (a byte at a time does not extend it); a request over ``request_bytes`` is
+    answered 431; connections beyond ``connections`` open at once, or ``per_address`` from one address, are closed
+    as they come; sending an answer may take ``answer_s``."""
+
+    workers: int = 4
+    connections: int = 256
+    per_address: int = 16
+    request_bytes: int = 16384
+    request_s: float = 5.0
+    answer_s: float = 10.0
 
 
-class _QuietHandler(WSGIRequestHandler):
+@dataclass
+class _Request:
+    """A connection whose request is being read, then answered."""
+
+    sock: socket.socket
+    client: str
+    port: int
+    deadline: float
+    data: bytearray = field(default_factory=bytearray)
+    refused: bool = False  # answered 431: what it still sends is read and dropped until it closes or the deadline
+
+
+class _Writer(io.BufferedIOBase):
+    """The answer's stream: every write sent whole (within the socket's timeout)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.sock.sendall(data)
+        return memoryview(data).nbytes
+
+
+class _Handler(WSGIRequestHandler):
+    """wsgiref's handler over a request already read whole (``_Request``)."""
+
+    def __init__(self, request: _Request, server: ExporterServer) -> None:
+        self.whole = request
+        super().__init__(request.sock, (request.client, request.port), server)  # answers it
+
+    def setup(self) -> None:
+        self.connection = self.whole.sock
+        self.rfile = io.BytesIO(bytes(self.whole.data))
+        self.wfile = _Writer(self.whole.sock)
+
     def log_message(self, format: str, *args: Any) -> None:
         """Nothing: a line per scrape and per poll would fill the log."""
 
 
-def http_server(listen: str, port: int, app: App) -> WSGIServer:
-    """A threaded WSGI server bound to ``listen``:``port`` (IPv4 or IPv6, whichever the address is)."""
+REFUSED = b"HTTP/1.0 431 Request Header Fields Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class ExporterServer(WSGIServer):
+    """The exporter's WSGI server, within ``Limits``: ``serve_forever`` reads requests in its own thread (a selector
+    over every open connection) and answers whole ones with a fixed set of worker threads."""
+
+    request_queue_size = 64
+
+    def __init__(self, address: tuple[str, int], limits: Limits) -> None:
+        super().__init__(address, WSGIRequestHandler)  # not used: _work answers with _Handler
+        self.limits = limits
+        self._open: dict[str, int] = {}  # client address -> its open connections
+        self._open_lock = threading.Lock()
+        self._reading: dict[int, _Request] = {}  # fd -> the connection whose request is being read
+        self._whole: queue.Queue[_Request | None] = queue.Queue()  # at most ``connections``: each one is open
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        workers = [threading.Thread(target=self._work, name=f"http-{n}", daemon=True)
+                   for n in range(self.limits.workers)]  # fmt: skip
+        for worker in workers:
+            worker.start()
+        self.socket.setblocking(False)
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self.socket, selectors.EVENT_READ)
+                while not self._stop.is_set():
+                    for key, _ in selector.select(poll_interval):
+                        if key.fileobj is self.socket:
+                            self._accept(selector)
+                        else:
+                            self._read(selector, key.data)
+                    self._expire(selector)
+                for request in list(self._reading.values()):
+                    self._close(selector, request)
+        finally:
+            for _ in workers:
+                self._whole.put(None)
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._stopped.wait()
+
+    def _admit(self, client: str) -> bool:
+        with self._open_lock:
+            if (
+                sum(self._open.values()) >= self.limits.connections
+                or self._open.get(client, 0) >= self.limits.per_address
+            ):
+                return False
+            self._open[client] = self._open.get(client, 0) + 1
+            return True
+
+    def _release(self, client: str) -> None:
+        with self._open_lock:
+            self._open[client] -= 1
+            if not self._open[client]:
+                del self._open[client]
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        try:
+            sock, address = self.socket.accept()
+        except OSError as exc:  # gone before it was accepted, or no file descriptor left (others' or a low limit)
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                time.sleep(0.05)  # the connection waits in the backlog; the others' deadlines go on
+            return
+        client = client_address(str(address[0]))
+        if not self._admit(client):
+            sock.close()
+            return
+        sock.setblocking(False)
+        request = _Request(sock, client, int(address[1]), time.monotonic() + self.limits.request_s)
+        self._reading[sock.fileno()] = request
+        selector.register(sock, selectors.EVENT_READ, request)
+
+    def _read(self, selector: selectors.BaseSelector, request: _Request) -> None:
+        try:
+            chunk = request.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._close(selector, request)
+        elif not request.refused:
+            request.data += chunk
+            end = _header_end(request.data)
+            if len(request.data) > self.limits.request_bytes and not 0 <= end < self.limits.request_bytes:
+                request.refused = True
+                with contextlib.suppress(OSError):
+                    request.sock.send(REFUSED)
+                    request.sock.shutdown(socket.SHUT_WR)
+            elif end >= 0:
+                selector.unregister(request.sock)
+                del self._reading[request.sock.fileno()]
+                request.sock.setblocking(True)
+                request.sock.settimeout(self.limits.answer_s)
+                self._whole.put(request)
+
+    def _expire(self, selector: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        for request in [r for r in self._reading.values() if r.deadline <= now]:
+            self._close(selector, request)
+
+    def _close(self, selector: selectors.BaseSelector, request: _Request) -> None:
+        selector.unregister(request.sock)
+        del self._reading[request.sock.fileno()]
+        request.sock.close()
+        self._release(request.client)
+
+    def _work(self) -> None:
+        while (request := self._whole.get()) is not None:
+            try:
+                _Handler(request, self)
+            except Exception as exc:  # a client gone, or too slow to take its answer: the next one
+                log.debug("answering %s failed: %s", request.client, exc)
+            finally:
+                self.shutdown_request(request.sock)
+                self._release(request.client)
+
+
+def _header_end(data: bytearray) -> int:
+    """Where the request's headers end (the blank line), or -1 while they have not."""
+    found = [at for at in (data.find(b"\r\n\r\n"), data.find(b"\n\n")) if at >= 0]
+    return min(found, default=-1)
+
+
+def http_server(listen: str, port: int, app: App, limits: Limits | None = None) -> ExporterServer:
+    """The exporter's server bound to ``listen``:``port`` (IPv4 or IPv6, whichever the address is)."""
     family, _, _, _, sockaddr = socket.getaddrinfo(listen, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    server_class = type("ExporterServer", (_Server,), {"address_family": family})
-    return make_server(str(sockaddr[0]), port, app, server_class, handler_class=_QuietHandler)
+    server_class = type("ExporterServer", (ExporterServer,), {"address_family": family})
+    server = server_class((str(sockaddr[0]), port), limits or Limits())
+    server.set_app(app)
+    return server
 
 
 # --------------------------------------------------------------------------------------------------
@@ -487,7 +801,12 @@ def serve(args: argparse.Namespace) -> int:
         log.info("no GPU series on this host (%s)", gpus.reason)
     runs_dir = Path(args.runs_dir)
     collector = Collector(args.host, runs_dir, gpus)
-    server = http_server(args.listen, args.port, application(make_wsgi_app(registry(collector)), runs_dir, args.host))
+    marks = FollowMarks(Path(args.state_dir), args.host, args.controller)
+    if marks.problem is not None or not marks.controllers:
+        log.warning("no poll will record that a controller follows a run: %s",
+                    marks.problem or "no --controller given")  # fmt: skip
+    app = application(make_wsgi_app(registry(collector)), runs_dir, args.host, marks)
+    server = http_server(args.listen, args.port, app)
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     log.info("serving %s on http://%s:%d/metrics (runs in %s, %d GPUs)", args.host, args.listen, args.port,
              args.runs_dir, len(gpus.handles))  # fmt: skip
@@ -536,6 +855,13 @@ def stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _address(text: str) -> str:
+    try:
+        return client_address(str(ipaddress.ip_address(text)))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IP address") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ugro_exporter.py", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -545,6 +871,17 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--host", default=os.uname().nodename, help="the host's name in the labels (inventory name)")
     p_serve.add_argument("--runs-dir", default="/opt/ugro/runs", help="the runs/ directory of the host's ugro code")
     p_serve.add_argument("--pid-file", default="", help="written once serving; removed on exit")
+    p_serve.add_argument(
+        "--state-dir", default=str(STATE_DIR), help=f"the exporter's own directory (default {STATE_DIR})"
+    )
+    p_serve.add_argument(
+        "--controller",
+        action="append",
+        default=[],
+        type=_address,
+        metavar="ADDRESS",
+        help="the controller's address: only its polls record that it follows a run (repeatable)",
+    )
     for name, text in (("status", "exit 0 when an exporter serves from the pid file"), ("stop", "stop it")):
         sub.add_parser(name, help=text).add_argument("--pid-file", required=True)
     args = parser.parse_args(argv)

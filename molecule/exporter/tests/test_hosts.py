@@ -26,6 +26,17 @@ def test_the_pid_file_names_a_live_exporter(host: Any) -> None:
     assert f"{DIR}/ugro_exporter.py" in host.process.get(pid=pid).args
 
 
+def test_its_own_directory_and_the_controllers_address(host: Any) -> None:
+    """The follow marks go to a directory of root's that the ranks can read; only the controller (the client
+    address of Ansible's SSH connection: this machine's bridge address) records them."""
+    own = host.file("/run/ugro-exporter")
+    assert (own.is_directory, own.user, own.mode) == (True, "root", 0o755)
+    pid = int(host.file("/run/ugro-exporter.pid").content_string.split()[0])
+    args = host.process.get(pid=pid).args.split()
+    controller = host.run("printenv SSH_CLIENT").stdout.split()[0]
+    assert args[args.index("--controller") + 1] == controller
+
+
 def test_it_listens_on_the_cluster_address_only(host: Any) -> None:
     address = host.ansible.get_variables()["ugro_cluster_address"]
     assert host.socket(f"tcp://{address}:{PORT}").is_listening
