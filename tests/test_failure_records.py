@@ -52,7 +52,7 @@ def test_a_frozen_peer_is_noticed_within_the_collective_timeout_and_recorded(
     tmp_path: Path, torchrun_cmd: Callable[..., list[str]]
 ) -> None:
     proc, run_dir = _start(torchrun_cmd, tmp_path, distributed={"timeout_s": 5})
-    frozen = int((run_dir / "hosts" / HOST / "worker-rank1.pid").read_text())
+    frozen = int((run_dir / "hosts" / HOST / "worker-rank1.pid").read_text().split()[0])  # "pid start"
     os.kill(frozen, signal.SIGSTOP)  # alive, holding its sockets open, answering nothing: a hung peer
     began = time.monotonic()
     try:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from helpers import run_module
 
@@ -197,6 +198,23 @@ def test_a_recorded_pid_reused_by_another_process_is_not_the_job(job: Job) -> No
     state = job.state()
     assert state["job"]["state"] == "lost" and state["job"]["pids"] == {}
     assert state["running_job"] is None
+
+
+def test_stop_signals_no_process_of_another_user_or_another_start_that_a_pid_file_names(job: Job) -> None:
+    """The pid files are the job's user's to write: one that names another user's process (root's, say) whose
+    command line names the run, or a process that started after the pid was recorded (a reused pid), is not the
+    job's, and a stop leaves it alone."""
+    other_user = subprocess.Popen(["sh", "-c", "sleep 300", str(job.host_dir / "launch.sh")], start_new_session=True,
+                                  user=65534)  # nobody: not the run directory's owner  # fmt: skip
+    job.procs.append(other_user)
+    (job.host_dir / "worker-rank0.pid").write_text(f"{other_user.pid}\n")
+    later = job.start(record=None)
+    started = psutil.Process(later.pid).create_time()
+    (job.host_dir / "worker-rank1.pid").write_text(f"{later.pid} {started - 60:.3f}\n")  # recorded a minute before
+    args = {"code_dir": str(job.code_dir), "job_id": job.job_id, "host": HOST, "grace_s": 5}
+    result = run_module("ugro_job", args)
+    assert not result["changed"] and result["signalled"] == {}, result
+    assert other_user.poll() is None and later.poll() is None
 
 
 def test_stop_signals_only_the_jobs_own_recorded_processes(job: Job) -> None:

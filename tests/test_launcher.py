@@ -45,7 +45,7 @@ def test_ranks_are_forked_from_the_launcher_and_a_stop_ends_them_as_under_torchr
         while not (all(p.is_file() for p in pid_files) and (run_dir / "metrics.jsonl").is_file()):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
             time.sleep(0.2)
-        ranks = [int(p.read_text()) for p in pid_files]
+        ranks = [int(p.read_text().split()[0]) for p in pid_files]  # "pid start"
         assert [_parent_and_name(pid) for pid in ranks] == [(proc.pid, "ugro-rank0"), (proc.pid, "ugro-rank1")]
         # Forked: in the launch's own process group (torchrun starts each new interpreter in a session of its own),
         # with the launcher's command line.

@@ -36,7 +36,7 @@ STEPS = 24
 
 def _pid(run_dir: Path, host: str) -> int | None:
     files = list((run_dir / "hosts" / host).glob("worker-rank*.pid"))
-    return int(files[0].read_text()) if files else None
+    return int(files[0].read_text().split()[0]) if files else None  # "pid start"
 
 
 def _tell(run_dir: Path, generation: int, hosts: list[str]) -> None:

@@ -31,7 +31,7 @@ STEPS = 24
 
 
 def _pids(run_dir: Path, host: str) -> list[int]:
-    return [int(p.read_text()) for p in (run_dir / "hosts" / host).glob("worker-rank*.pid")]
+    return [int(p.read_text().split()[0]) for p in (run_dir / "hosts" / host).glob("worker-rank*.pid")]
 
 
 def _launch(host: str, port: int, job: Path, run_dir: Path, log: Path) -> subprocess.Popen[bytes]:

@@ -17,6 +17,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import psutil
+
 from train import loop
 from train.config import ConfigError, DistributedConfig, JobConfig, apply_profile, load_job, load_profile
 from train.dist import distributed
@@ -51,7 +53,7 @@ def _record_pid(run_dir: Path, host: str, rank: int) -> None:
     host_dir.mkdir(parents=True, exist_ok=True)
     path = host_dir / f"worker-rank{rank}.pid"
     tmp = path.with_name(f".{path.name}.tmp")  # renamed into place: a reader never sees it half written
-    tmp.write_text(f"{os.getpid()}\n")
+    tmp.write_text(f"{os.getpid()} {psutil.Process().create_time():.3f}\n")  # `pid start` (ugro_jobstate.belongs)
     os.replace(tmp, path)
 
 

@@ -53,6 +53,8 @@ REJOIN = "rejoin.json"
 # The launch: its script, its process group (written by the script itself), torchrun's log, its exit status.
 LAUNCH_SCRIPT = "launch.sh"
 LAUNCH_PID = "launch.pid"
+LAUNCH_START = "launch.start"  # ``pid start`` of the launch script, recorded by ``start``
+START_SLACK_S = 0.05  # psutil's start times are the kernel's clock ticks (10 ms), converted
 LAUNCH_LOG = "torchrun.log"
 EXIT_CODE = "exit_code"
 PROGRESS_KEYS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s")
@@ -84,15 +86,36 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def belongs(pid: int, run_dir: Path) -> bool:
-    """The process is alive and its command line names this run (so it is this job's, not a reused pid)."""
+def _read_pid(path: Path) -> tuple[int | None, float | None]:
+    """A pid file's pid and, where it recorded one, the process's start time (``pid start``)."""
+    try:
+        fields = path.read_text().split()
+        return int(fields[0]), (float(fields[1]) if len(fields) > 1 else None)
+    except (OSError, ValueError, IndexError):
+        return None, None
+
+
+def belongs(pid: int, run_dir: Path, started: float | None = None) -> bool:
+    """The process is this job's: alive, run by the run directory's owner (the job's user: its pid files are that
+    user's to write, so they can name no other user's process), started when its pid file says (not a reused pid),
+    and its command line names this run."""
     try:
         proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
+        if proc.status() == psutil.STATUS_ZOMBIE or proc.uids().real != run_dir.stat().st_uid:
+            return False
+        if started is not None and abs(proc.create_time() - started) > START_SLACK_S:
             return False
         return str(run_dir) in " ".join(proc.cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+    except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
         return False
+
+
+def record_pid(path: Path, pid: int) -> None:
+    """``pid start`` into ``path``, renamed into place (a reader never sees it half written)."""
+    started = psutil.Process(pid).create_time()
+    partial = path.with_name(f".{path.name}.tmp")
+    partial.write_text(f"{pid} {started:.3f}\n")
+    os.replace(partial, path)
 
 
 def job_pids(run_dir: Path, host: str) -> dict[str, int]:
@@ -100,11 +123,12 @@ def job_pids(run_dir: Path, host: str) -> dict[str, int]:
     host_dir = run_dir / "hosts" / host
     found: dict[str, int] = {}
     launcher = _read_int(host_dir / LAUNCH_PID)
-    if launcher is not None and belongs(launcher, run_dir):
+    _, launched = _read_pid(host_dir / LAUNCH_START)
+    if launcher is not None and belongs(launcher, run_dir, launched):
         found["launcher"] = launcher
     for pid_file in sorted(host_dir.glob("worker-rank*.pid")):
-        pid = _read_int(pid_file)
-        if pid is not None and belongs(pid, run_dir):
+        pid, started = _read_pid(pid_file)
+        if pid is not None and belongs(pid, run_dir, started):
             found[pid_file.stem] = pid
     return found
 
@@ -323,7 +347,7 @@ def start(run_dir: Path, host: str, script: str, timeout_s: float) -> dict[str, 
     with the log's end when the script exits or writes no pid within ``timeout_s`` seconds."""
     host_dir = run_dir / "hosts" / host
     host_dir.mkdir(parents=True, exist_ok=True)
-    for name in (LAUNCH_PID, EXIT_CODE, STOPPED_MARK):
+    for name in (LAUNCH_PID, LAUNCH_START, EXIT_CODE, STOPPED_MARK):
         (host_dir / name).unlink(missing_ok=True)
     path = host_dir / LAUNCH_SCRIPT
     partial = host_dir / (LAUNCH_SCRIPT + ".tmp")
@@ -351,6 +375,8 @@ def start(run_dir: Path, host: str, script: str, timeout_s: float) -> dict[str, 
             raise RuntimeError(f"{path} wrote no pid within {timeout_s:g} s; {log} ends:\n{_log_tail(log)}")
         time.sleep(0.02)
         pgid = _read_int(host_dir / LAUNCH_PID)
+    if pgid == proc.pid:  # the script wrote its own pid: its start time goes beside it
+        record_pid(host_dir / LAUNCH_START, pgid)
     active = run_dir.parent / ACTIVE_JOB
     partial = run_dir.parent / (ACTIVE_JOB + ".tmp")
     partial.write_text(f"{run_dir.name} {pgid}\n", encoding="utf-8")
