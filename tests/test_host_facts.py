@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import venv
 from collections.abc import Iterator
@@ -366,3 +367,22 @@ def test_a_service_listening_inside_the_ephemeral_range_is_listed_with_its_proce
     listed = {entry["port"]: entry for entry in facts["range_listeners"]}
     assert listed[port]["process"].startswith("python") and listed[port]["address"] == "0.0.0.0", listed
     assert local not in listed  # loopback only: no device of the LAN reached it anyway
+
+
+def test_files_planted_in_the_run_directory_neither_hang_nor_flood_a_status(job: Job) -> None:
+    """The run directory is the job user's; what a root reader (the exporter, a module with become) reads there is
+    opened without following a link and without waiting on a FIFO, and read up to a bound: a FIFO where a rank's
+    record goes, a link to /dev/zero as run.json and one to a root file as failures.jsonl cost a status nothing."""
+    os.mkfifo(job.host_dir / "rank0.json")
+    os.mkfifo(job.run_dir / "metrics.jsonl")
+    (job.run_dir / "run.json").symlink_to("/dev/zero")
+    secret = job.code_dir / "root-only.jsonl"
+    secret.write_text('{"kind": "error", "message": "root\'s secret", "attempt": 0}\n')
+    (job.host_dir / "failures.jsonl").symlink_to(secret)
+    (job.host_dir / "exit_code").write_text("0\n")
+    done: list[dict[str, Any]] = []
+    reader = threading.Thread(target=lambda: done.append(ugro_jobstate.status(job.run_dir, HOST, True)), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert done, "the status hung on a planted file"
+    assert done[0]["state"] == "finished" and done[0]["failures"] == [], done[0]

@@ -252,7 +252,7 @@ def _safe(read: Any) -> Any:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(ugro_jobstate.read_text(path))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -261,9 +261,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 def _last_line(path: Path) -> dict[str, Any] | None:
     """The newest complete JSON line of a file, reading only its end."""
     try:
-        with path.open("rb") as fh:
-            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 4096))
-            lines = fh.read().splitlines()
+        lines = ugro_jobstate.read_file(path, 4096, tail=True).splitlines()
     except OSError:
         return None
     for line in reversed(lines):
@@ -334,7 +332,7 @@ class Collector:
     def current_job(self) -> Path | None:
         """The run directory named by runs/active-job (the last job launched here, running or not)."""
         try:
-            job = (self.runs_dir / ugro_jobstate.ACTIVE_JOB).read_text().split()[0]
+            job = ugro_jobstate.read_text(self.runs_dir / ugro_jobstate.ACTIVE_JOB).split()[0]
         except (OSError, IndexError, UnicodeDecodeError):
             return None
         run_dir = self.runs_dir / job

@@ -15,11 +15,13 @@ reused by another process after the job ended is never signalled. ``runs/active-
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -79,9 +81,41 @@ def psutil_missing(host: str, module: str) -> str:
     )
 
 
+READ_LIMIT = 1 << 20  # bytes: every file read here is a few lines, or the end of a log
+
+
+def read_file(path: Path, limit: int = READ_LIMIT, tail: bool = False) -> bytes:
+    """A regular file's first ``limit`` bytes (its last, with ``tail``). Opened without following a link at its last
+    step and without waiting on a FIFO: the run directory is the job user's, and what it planted there (a FIFO, a link
+    to /dev/zero or to root's files) must neither hang nor exhaust a reader that runs as root (the exporter, a host
+    module with become); OSError for anything but a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, f"not a regular file: {path}")
+        if tail and info.st_size > limit:
+            os.lseek(fd, info.st_size - limit, os.SEEK_SET)
+        chunks: list[bytes] = []
+        left = limit
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_text(path: Path, limit: int = READ_LIMIT) -> str:
+    return read_file(path, limit).decode("utf-8", errors="replace")
+
+
 def _read_int(path: Path) -> int | None:
     try:
-        return int(path.read_text().split()[0])
+        return int(read_text(path).split()[0])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -89,7 +123,7 @@ def _read_int(path: Path) -> int | None:
 def _read_pid(path: Path) -> tuple[int | None, float | None]:
     """A pid file's pid and, where it recorded one, the process's start time (``pid start``)."""
     try:
-        fields = path.read_text().split()
+        fields = read_text(path).split()
         return int(fields[0]), (float(fields[1]) if len(fields) > 1 else None)
     except (OSError, ValueError, IndexError):
         return None, None
@@ -135,12 +169,10 @@ def job_pids(run_dir: Path, host: str) -> dict[str, int]:
 
 def last_metrics(run_dir: Path) -> dict[str, Any] | None:
     """The newest complete row of metrics.jsonl, reading only the end of the file (it is polled)."""
-    path = run_dir / METRICS
-    if not path.is_file():
+    try:
+        lines = read_file(run_dir / METRICS, 4096, tail=True).splitlines()
+    except OSError:
         return None
-    with path.open("rb") as fh:
-        fh.seek(max(0, fh.seek(0, os.SEEK_END) - 4096))
-        lines = fh.read().splitlines()
     for line in reversed(lines):
         try:
             return dict(json.loads(line))
@@ -154,8 +186,8 @@ def failures(run_dir: Path, host: str, attempt: int | None) -> list[dict[str, An
     path = run_dir / "hosts" / host / FAILURES
     found: list[dict[str, Any]] = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
+        lines = read_text(path).splitlines()
+    except OSError:
         return found
     for line in lines:
         try:
@@ -179,7 +211,7 @@ def rank_records(run_dir: Path, host: str) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     for path in sorted((run_dir / "hosts" / host).glob("rank*.json")):
         try:
-            record = json.loads(path.read_text())
+            record = json.loads(read_text(path))
         except (OSError, ValueError):
             continue
         if isinstance(record, dict):
@@ -195,7 +227,7 @@ def parts(records: list[dict[str, Any]]) -> dict[str, str]:
 def silent_peers(run_dir: Path, host: str) -> list[str]:
     """The other hosts this host's first rank has not reached in its last connects to their regroup stores."""
     try:
-        found = json.loads((run_dir / "hosts" / host / PEERS).read_text()).get("silent")
+        found = json.loads(read_text(run_dir / "hosts" / host / PEERS)).get("silent")
     except (OSError, ValueError, AttributeError):
         return []
     return [str(h) for h in found] if isinstance(found, list) else []
@@ -205,7 +237,7 @@ def rejoining(run_dir: Path, host: str, attempt: int | None) -> dict[str, Any] |
     """The launcher's note that this host's ranks are coming back into the group (why, which time of how many), where
     it is this launch's (``attempt``) and the ranks have not been taken back in yet."""
     try:
-        found = json.loads((run_dir / "hosts" / host / REJOIN).read_text())
+        found = json.loads(read_text(run_dir / "hosts" / host / REJOIN))
     except (OSError, ValueError):
         return None
     return found if isinstance(found, dict) and found.get("attempt") == attempt else None
@@ -262,7 +294,7 @@ def status(run_dir: Path, host: str, main: bool, follow_poll_s: float = 0.0) -> 
         if last is not None:
             result.update({k: last[k] for k in PROGRESS_KEYS if k in last})
         try:
-            run = json.loads((run_dir / STATUS).read_text())
+            run = json.loads(read_text(run_dir / STATUS))
         except (OSError, ValueError):
             run = None
         if isinstance(run, dict):
@@ -276,7 +308,7 @@ def running_job(runs_dir: Path) -> dict[str, Any] | None:
     process group that is gone or no longer this job's (left behind by a job that ended: the next launch
     replaces it)."""
     try:
-        parts = (runs_dir / ACTIVE_JOB).read_text().split()
+        parts = read_text(runs_dir / ACTIVE_JOB).split()
     except (OSError, UnicodeDecodeError):
         return None
     if len(parts) != 2 or not parts[1].isdigit():
@@ -323,7 +355,7 @@ def stop(run_dir: Path, host: str, grace_s: float) -> dict[str, Any]:
     remaining = _wait_gone(run_dir, host, 10)
     active = run_dir.parent / ACTIVE_JOB
     try:
-        names_this_job = active.read_text().split()[:1] == [run_dir.name]
+        names_this_job = read_text(active).split()[:1] == [run_dir.name]
     except OSError:
         names_this_job = False
     if not remaining and names_this_job:
@@ -333,7 +365,7 @@ def stop(run_dir: Path, host: str, grace_s: float) -> dict[str, Any]:
 
 def _log_tail(path: Path, lines: int = 20) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(read_file(path, 1 << 16, tail=True).decode(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
 
