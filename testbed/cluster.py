@@ -563,6 +563,8 @@ def _start_services(state: dict[str, Any]) -> None:
     state["apt_repo"] = {
         "url": url,
         "keyring_url": url + info.keyring_deb,
+        # What role nvidia_repository checks before root installs it (its pins are NVIDIA's own files').
+        "keyring_sha256": hashlib.sha256((Path(info.dest) / info.keyring_deb).read_bytes()).hexdigest(),
         **{k: v for k, v in vars(info).items() if k not in ("dest", "keyring_deb")},
     }
     _write_state(state)
