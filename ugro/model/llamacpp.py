@@ -98,11 +98,14 @@ def fetch_sdist(cache: Path) -> Path:
     sdists.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=sdists) as tmp:
         spec = f"{PACKAGE}=={VERSION}"
-        # --no-build-isolation: pip reads the source's metadata with the scikit-build-core of the controller lock,
-        # instead of fetching an unpinned build backend.
+        # Hash-checking mode: pip compares the archive with the pinned sha256 before it runs anything of it (reading
+        # an sdist's metadata runs its build backend). --no-build-isolation: that backend is the scikit-build-core of
+        # the controller lock, not an unpinned one pip would fetch.
+        pinned = Path(tmp) / "pinned.txt"
+        pinned.write_text(f"{spec} --hash=sha256:{SHA256}\n")
         _run(
             [sys.executable, "-m", "pip", "--isolated", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-             "--no-build-isolation", "-d", tmp, spec],
+             "--no-build-isolation", "--require-hashes", "-d", tmp, "-r", str(pinned)],
             f"pip download {spec}", 900, _pip_env(),
         )  # fmt: skip
         got = Path(tmp) / SDIST
