@@ -57,12 +57,27 @@ RECORDED_ENV = {
 def forget_environment(runner: Any) -> None:
     """Reduce the environment ansible-runner recorded for a finished playbook to RECORDED_ENV, so that no secret
     of the controller's environment stays in the run's directory."""
-    record = Path(runner.config.artifact_dir) / "command"
+    _forget(Path(runner.config.artifact_dir) / "command")
+
+
+def forget_left_environments(runs: Path) -> None:
+    """The same for the records of playbooks whose controller ended before them (killed, its machine off): each
+    playbook the controller starts first cuts down what such a controller left in the runs directory's private
+    directories."""
+    for pattern in (".control/**/artifacts/*/command", "*/.control/**/artifacts/*/command"):
+        for record in runs.glob(pattern):
+            _forget(record)
+
+
+def _forget(record: Path) -> None:
     try:
         data = json.loads(record.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return
-    data["env"] = {k: v for k, v in dict(data.get("env") or {}).items() if k in RECORDED_ENV}
+    env = dict(data.get("env") or {})
+    if set(env) <= RECORDED_ENV:
+        return
+    data["env"] = {k: v for k, v in env.items() if k in RECORDED_ENV}
     record.write_text(json.dumps(data), encoding="utf-8")
 
 
@@ -111,6 +126,7 @@ def start_playbook(
     import ansible_runner
 
     private_dir.mkdir(parents=True, exist_ok=True)
+    forget_left_environments(runs_dir())
     run = PlaybookRun()
 
     def on_event(event: dict[str, Any]) -> bool:
