@@ -29,11 +29,11 @@ env_file           env        {path, exists, error, ifnames} of O(env_file) (NCC
 profile_exists     env        whether O(profile_file) exists
 resolve            resolve    name -> {address, error}: what each of O(names) resolves to here
 time               clock      the host's clock, seconds since the epoch
-firewall           firewall   {nftables, ufw, why}: the live rules of the nftables table O(firewall_table)
-                              ({table, present, rules, error}) and of ufw ({active, default_incoming, rules,
-                              error}); each rule {action: accept|reject|drop, sources: [CIDR] or null (any),
-                              ports: [[low, high]] or null (any)}, in the order they match; as root, or
-                              through `sudo -n` (never part of C(all))
+firewall           firewall   {nftables, ufw, why}: the live input rules of the nftables table O(firewall_table)
+                              ({table, present, rules, error}) and of ufw ({active, default_incoming, ipv6 (its
+                              IPV6 setting), rules, error}); each rule {action: accept|reject|drop, sources: [CIDR]
+                              or null (any), ports: [[low, high]] or null (any), family: ipv4|ipv6 or null
+                              (both)}, in the order they match; as root, or through `sudo -n` (never part of C(all))
 kernel             kernel     {running, installed, newest, headers, modules, loaded, secure_boot, driver_packages}:
                               the kernels (oldest first), each one's headers and NVIDIA module {path, version,
                               error}, the module loaded now, Secure Boot {state, mok_key, mok_enrolled} and the
@@ -460,15 +460,16 @@ def _as_root(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[s
 
 
 def _nft_addresses(value: Any, sets: dict[str, list[Any]]) -> list[str] | None:
-    """The IPv4 sources of an nft JSON match's right side: an address, a prefix, a range, a set; None if unknown."""
+    """The IPv4 or IPv6 sources of an nft JSON match's right side: an address, a prefix, a range, a set; None if
+    unknown."""
     if isinstance(value, str) and value.startswith("@"):
         return _nft_addresses({"set": sets.get(value[1:], [])}, sets)
     if isinstance(value, str):
-        return [str(ipaddress.IPv4Network(value, strict=False))]
+        return [str(ipaddress.ip_network(value, strict=False))]
     if isinstance(value, dict) and "prefix" in value:
-        return [str(ipaddress.IPv4Network(f"{value['prefix']['addr']}/{value['prefix']['len']}", strict=False))]
+        return [str(ipaddress.ip_network(f"{value['prefix']['addr']}/{value['prefix']['len']}", strict=False))]
     if isinstance(value, dict) and "range" in value:
-        low, high = (ipaddress.IPv4Address(a) for a in value["range"])
+        low, high = (ipaddress.ip_address(a) for a in value["range"])
         return [str(net) for net in ipaddress.summarize_address_range(low, high)]
     if isinstance(value, dict) and "set" in value:
         found: list[str] = []
@@ -503,32 +504,42 @@ def _nft_ports(value: Any) -> list[list[int]] | None:
 
 
 def nft_rules(listing: dict[str, Any]) -> list[dict[str, Any]]:
-    """The input rules of an `nft -j list table` listing: {action, sources, ports}, in order.
+    """The input rules of an `nft -j list table` listing: {action, sources, ports, family}, in order.
 
-    Only rules that match nothing but an IPv4 source and a TCP destination port (what role firewall writes) are
-    kept; a rule that matches anything else (conntrack state, an interface) does not decide who reaches a port.
+    Only rules that match nothing but an IPv4 or IPv6 source, the address family and a TCP destination port (what role
+    firewall writes) are kept; a rule that matches anything else (conntrack state, an interface) does not decide who
+    reaches a port. ``family`` is "ipv4" or "ipv6" for a rule that matches one family only (`ip saddr`, `ip6 saddr`,
+    `meta nfproto`), None for both. The rules of the table's other hooks (its output chain: which local accounts may
+    connect out) are left out.
     """
     items = listing.get("nftables", [])
     sets = {i["set"]["name"]: i["set"].get("elem", []) for i in items if "set" in i}
+    hooks = {i["chain"]["name"]: i["chain"].get("hook") for i in items if "chain" in i}
     rules: list[dict[str, Any]] = []
     for item in items:
         rule = item.get("rule")
-        if not rule:
+        if not rule or hooks.get(rule.get("chain"), "input") not in ("input", None):
             continue
         action = next((k for e in rule["expr"] for k in ("accept", "reject", "drop") if k in e), None)
-        found: dict[str, Any] = {"action": action, "sources": None, "ports": None}
+        found: dict[str, Any] = {"action": action, "sources": None, "ports": None, "family": None}
         known = action is not None
         for expr in rule["expr"]:
             match = expr.get("match")
             if match is None:
                 continue
             left = match.get("left", {}).get("payload", {})
-            if (left.get("protocol"), left.get("field")) == ("ip", "saddr") and match.get("op") in ("==", "in"):
+            field = (left.get("protocol"), left.get("field"))
+            if field in (("ip", "saddr"), ("ip6", "saddr")) and match.get("op") in ("==", "in"):
                 found["sources"] = _nft_addresses(match["right"], sets)
+                found["family"] = "ipv4" if field[0] == "ip" else "ipv6"
                 known = known and found["sources"] is not None
-            elif (left.get("protocol"), left.get("field")) == ("tcp", "dport") and match.get("op") in ("==", "in"):
+            elif field == ("tcp", "dport") and match.get("op") in ("==", "in"):
                 found["ports"] = _nft_ports(match["right"])
                 known = known and found["ports"] is not None
+            elif match.get("left", {}).get("meta", {}).get("key") == "nfproto" and match.get("op") in ("==", "in"):
+                family = {"ipv4": "ipv4", "ipv6": "ipv6"}.get(str(match.get("right")))
+                known = known and family is not None
+                found["family"] = family
             else:
                 known = False
         if known:
@@ -550,8 +561,22 @@ def _ufw_ports(spec: str) -> list[list[int]] | None:
     return ports
 
 
+def _ufw_source(source: str) -> tuple[list[str] | None, str | None] | None:
+    """ufw's `From` column: (sources or None for anywhere, the family where the column names one); None if unknown."""
+    if source.startswith("Anywhere"):
+        return None, "ipv6" if "(v6)" in source else None
+    try:
+        net = ipaddress.ip_network(source.split()[0], strict=False)
+    except ValueError:
+        return None  # an application profile, an interface: not a source this check knows
+    return [str(net)], f"ipv{net.version}"
+
+
 def ufw_rules(status: str) -> dict[str, Any]:
-    """`ufw status verbose`: {active, default_incoming, rules: [{action, sources, ports}]} (IPv4 TCP rules)."""
+    """`ufw status verbose`: {active, default_incoming, rules: [{action, sources, ports, family}]} (TCP rules).
+
+    ufw lists its IPv4 rules, then its IPv6 ones ("(v6)", or an IPv6 source): ``family`` is "ipv4" or "ipv6", and
+    each family's rules are in the order they match."""
     default = re.search(r"(?m)^Default: (\w+) \(incoming\)", status)
     found: dict[str, Any] = {
         "active": "Status: active" in status,
@@ -561,15 +586,25 @@ def ufw_rules(status: str) -> dict[str, Any]:
     rule = re.compile(r"^(\S+(?: \(v6\))?)\s+(ALLOW|DENY|REJECT|LIMIT)(?: IN)?\s+(.+?)\s*(?:#.*)?$")
     for line in status.splitlines():
         match = rule.match(line.strip())
-        if match is None or "(v6)" in line or "/udp" in match[1]:
+        if match is None or "/udp" in match[1]:
             continue
-        source = match[3].strip()
+        source = _ufw_source(match[3].strip())
+        if source is None:
+            continue
         action = {"ALLOW": "accept", "LIMIT": "accept", "REJECT": "reject", "DENY": "drop"}[match[2]]
-        sources = (
-            None if source.startswith("Anywhere") else [str(ipaddress.IPv4Network(source.split()[0], strict=False))]
-        )
-        found["rules"].append({"action": action, "sources": sources, "ports": _ufw_ports(match[1])})
+        family = "ipv6" if "(v6)" in match[1] else source[1] or "ipv4"
+        found["rules"].append({"action": action, "sources": source[0], "ports": _ufw_ports(match[1]), "family": family})
     return found
+
+
+def ufw_ipv6(defaults: Path = Path("/etc/default/ufw")) -> bool | None:
+    """Whether ufw applies its rules to IPv6 (IPV6=yes in its defaults); with IPV6=no it drops IPv6, loopback's aside.
+    None where the file cannot be read."""
+    try:
+        setting = re.findall(r"(?m)^\s*IPV6\s*=\s*[\"']?(\w+)", defaults.read_text())
+    except OSError:
+        return None
+    return setting[-1].lower() == "yes" if setting else None
 
 
 def firewall(table: str, timeout_s: float) -> dict[str, Any]:
@@ -593,7 +628,7 @@ def firewall(table: str, timeout_s: float) -> dict[str, Any]:
         try:
             out = _as_root([ufw, "status", "verbose"], timeout_s)
             if out.returncode == 0:
-                found["ufw"] = ufw_rules(out.stdout)
+                found["ufw"] = ufw_rules(out.stdout) | {"ipv6": ufw_ipv6()}
             else:
                 why.append(f"ufw status: {(out.stderr.strip() or out.stdout.strip())[:200]}")
         except (OSError, ValueError, subprocess.TimeoutExpired) as exc:

@@ -377,6 +377,41 @@ def test_a_loopback_cluster_and_an_unreadable_firewall_are_no_warn() -> None:
     assert firewall_check("a", unreadable, MEMBERS, 29500).status == "SKIP"
 
 
+def test_ports_open_to_anyone_over_ipv6_are_a_warn_naming_the_host_and_the_fix() -> None:
+    # ufw keeps IPv4 to the members, but its IPv6 twin of the range accepts anyone: the c10d stores listen dual-stack.
+    v4 = [dict(r, family="ipv4") for r in NFT_RULES]
+    v6 = [
+        {"action": "accept", "sources": None, "ports": [[22, 22]], "family": "ipv6"},
+        {"action": "reject", "sources": None, "ports": [[29500, 29500]], "family": "ipv6"},
+        {"action": "accept", "sources": None, "ports": [[32768, 60999]], "family": "ipv6"},
+    ]
+    ufw = {"active": True, "default_incoming": "deny", "ipv6": True, "rules": v4 + v6}
+    cell = firewall_check("a", _fw(None, ufw), MEMBERS, 29500)
+    assert (cell.status, cell.detail) == ("WARN", "open to all over IPv6")
+    assert "a's ports 29500 and 32768-60999 accept IPv6 connections from anywhere (ufw)" in cell.cause
+    assert cell.fix.startswith("on a: make provision") and "IPV6=yes in /etc/default/ufw" in cell.fix
+    # IPv4 rules only (added while ufw's IPV6 was no) and an accepting default: IPv6 reaches the ports.
+    allowing = {"active": True, "default_incoming": "allow", "ipv6": True, "rules": v4}
+    assert firewall_check("a", _fw(None, allowing), MEMBERS, 29500).detail == "open to all over IPv6"
+    # An IPv6 network accepted ahead of the table's reject: no member (the members are IPv4).
+    nft = [*NFT_RULES[:2], {"action": "accept", "sources": ["fd00::/8"], "ports": [[29500, 29500]], "family": "ipv6"}]
+    cell = firewall_check("a", _fw(nft + NFT_RULES[2:]), MEMBERS, 29500)
+    assert (cell.status, cell.detail) == ("WARN", "open to fd00::/8 over IPv6") and "fd00::/8" in cell.cause
+    assert cell.fix.startswith("on a: make provision")
+
+
+def test_ipv6_refused_or_dropped_by_every_firewall_passes() -> None:
+    # nftables: the table's reject has no family, so it refuses IPv6 too; the members' accept is IPv4.
+    assert firewall_check("a", _fw(NFT_RULES), MEMBERS, 29500).status == "PASS"
+    # ufw with IPV6=no drops IPv6 whole (loopback aside), whatever its default.
+    v4 = [dict(r, family="ipv4") for r in NFT_RULES]
+    dropping = {"active": True, "default_incoming": "allow", "ipv6": False, "rules": v4}
+    assert firewall_check("a", _fw(None, dropping), MEMBERS, 29500).detail == "members only (ufw)"
+    # ufw's IPv6 open, but the nftables table beside it refuses IPv6: a connection must pass both.
+    allowing = dict(dropping, ipv6=True)
+    assert firewall_check("a", _fw(NFT_RULES, allowing), MEMBERS, 29500).detail == "members only (nftables)"
+
+
 def test_the_firewall_row_is_judged_in_the_fast_report() -> None:
     facts = {h: {**_facts("2.13.0"), **_fw(NFT_RULES if h == "a" else None)} for h in MEMBERS}
     network: dict[str, Any] = {"listen": {}, "connect": []}

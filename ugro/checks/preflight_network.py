@@ -105,18 +105,77 @@ def _accepted_from(rules: list[dict[str, Any]], port: int, open_by_default: bool
     return None if open_by_default else accepted
 
 
+def _of_family(rules: list[dict[str, Any]], version: int) -> list[dict[str, Any]]:
+    """The rules that a connection over IPv4 (``version`` 4) or IPv6 (6) can match: not those of the other family
+    (``family``, or their sources)."""
+    kept = []
+    for rule in rules:
+        if rule.get("family") not in (None, f"ipv{version}"):
+            continue
+        sources = rule.get("sources")
+        if sources is not None:
+            sources = [s for s in sources if ipaddress.ip_network(s, strict=False).version == version]
+            if not sources:
+                continue
+        kept.append(dict(rule, sources=sources))
+    return kept
+
+
 def _beyond(sources: list[str], members: set[str]) -> list[str]:
-    """The sources that are more than one member's address: a network, or an address of no member."""
+    """The sources that are more than one member's address: a network, or an address of no member (any IPv6 one:
+    the members are IPv4)."""
     extra = []
     for source in dict.fromkeys(sources):
-        net = ipaddress.IPv4Network(source, strict=False)
+        net = ipaddress.ip_network(source, strict=False)
         if not (net.prefixlen == 32 and str(net.network_address) in members):
-            extra.append(str(net) if net.prefixlen < 32 else str(net.network_address))
+            extra.append(str(net) if net.prefixlen < net.max_prefixlen else str(net.network_address))
     return extra
 
 
+def _open_beyond(
+    rules: list[dict[str, Any]], ports: list[int], open_by_default: bool, members: set[str]
+) -> list[str] | None:
+    """Who beyond the members reaches any of ``ports`` under ``rules``: [] none, None anyone, else the sources."""
+    extra: list[str] = []
+    for p in ports:
+        accepted = _accepted_from(rules, p, open_by_default)
+        if accepted is None:
+            return None
+        extra += [e for e in _beyond(accepted, members) if e not in extra]
+    return extra
+
+
+def _open_cell(host: str, shown: str, name: str, extra: list[str] | None, ipv6: bool) -> Cell:
+    who = "anywhere" if extra is None else ", ".join(extra)
+    over = " over IPv6" if ipv6 else ""
+    detail = (
+        "open to all" if extra is None else f"open to {extra[0]}" + (f" +{len(extra) - 1}" if len(extra) > 1 else "")
+    )
+    if not ipv6:
+        return Cell(
+            "WARN",
+            detail,
+            f"{host}'s ports {shown} accept connections from {who} ({name}), more than the cluster's members; "
+            "nothing behind them authenticates",
+            f"on {host}: {FIREWALL_FIX}",
+        )
+    how = (
+        "it sets IPV6=yes in /etc/default/ufw, so that ufw refuses the ports over IPv6 too"
+        if name == "ufw"
+        else "its table refuses the ports over IPv6"
+    )
+    return Cell(
+        "WARN",
+        detail + over,
+        f"{host}'s ports {shown} accept IPv6 connections from {who} ({name}): the cluster is IPv4, but the c10d "
+        "stores listen on IPv6 too (dual-stack), and nothing behind the ports authenticates",
+        f"on {host}: {FIREWALL_FIX}; {how} (or remove the rule that accepts them over IPv6)",
+    )
+
+
 def firewall_check(host: str, facts: dict[str, Any], addresses: dict[str, str], port: int) -> Cell:
-    """Whether the host's rendezvous port and ephemeral range accept its cluster's members only."""
+    """Whether the host's rendezvous port and ephemeral range accept its cluster's members only, over IPv4 and IPv6
+    (the members are IPv4: over IPv6 they must accept no one)."""
     if ipaddress.IPv4Address(addresses.get(host) or "0.0.0.0").is_loopback:
         return Cell("PASS", "loopback only")
     fw = facts.get("firewall")
@@ -126,11 +185,14 @@ def firewall_check(host: str, facts: dict[str, Any], addresses: dict[str, str], 
     ports = sorted({port, int(low), int(high or low)})
     shown = f"{port} and {low}-{high or low}"
     members = {a for a in addresses.values()}
-    firewalls: list[tuple[str, list[dict[str, Any]], bool]] = []
+    # (name, rules, IPv4 open by default, IPv6 open by default or None where the firewall drops IPv6 whole)
+    firewalls: list[tuple[str, list[dict[str, Any]], bool, bool | None]] = []
     if fw.get("nftables") and fw["nftables"].get("present"):
-        firewalls.append((f"nftables table inet {fw['nftables']['table']}", fw["nftables"]["rules"], True))
+        firewalls.append((f"nftables table inet {fw['nftables']['table']}", fw["nftables"]["rules"], True, True))
     if fw.get("ufw") and fw["ufw"].get("active"):
-        firewalls.append(("ufw", fw["ufw"]["rules"], fw["ufw"].get("default_incoming") == "allow"))
+        allow = fw["ufw"].get("default_incoming") == "allow"
+        # IPV6=no: ufw drops every IPv6 packet but loopback's.
+        firewalls.append(("ufw", fw["ufw"]["rules"], allow, None if fw["ufw"].get("ipv6") is False else allow))
     if not firewalls and fw.get("why"):
         return Cell(
             "SKIP",
@@ -146,32 +208,21 @@ def firewall_check(host: str, facts: dict[str, Any], addresses: dict[str, str], 
             "connections from anywhere on the LAN, and nothing behind them authenticates",
             f"on {host}: {FIREWALL_FIX}",
         )
-    worst: tuple[str, list[str] | None] | None = None
-    for name, rules, open_by_default in firewalls:
-        extra: list[str] | None = []
-        for p in ports:
-            accepted = _accepted_from(rules, p, open_by_default)
-            if accepted is None:
-                extra = None
-                break
-            assert extra is not None
-            extra += [e for e in _beyond(accepted, members) if e not in extra]
-        if extra is not None and not extra:
-            return _services_in_range(host, facts, low, high or low) or Cell(
-                "PASS", f"members only ({name.split()[0]})"
-            )
-        if worst is None or (worst[1] is None and extra is not None):
-            worst = (name, extra)
-    assert worst is not None
-    name, extra = worst
-    who = "anywhere" if extra is None else ", ".join(extra)
-    return Cell(
-        "WARN",
-        "open to all" if extra is None else f"open to {extra[0]}" + (f" +{len(extra) - 1}" if len(extra) > 1 else ""),
-        f"{host}'s ports {shown} accept connections from {who} ({name}), more than the cluster's members; "
-        "nothing behind them authenticates",
-        f"on {host}: {FIREWALL_FIX}",
-    )
+    # A connection must pass every firewall of the host: per family, the one that lets the fewest through decides.
+    closer: dict[int, str] = {}
+    least: dict[int, tuple[str, list[str] | None]] = {}
+    for name, rules, open4, open6 in firewalls:
+        for version, by_default in ((4, open4), (6, open6)):
+            extra = [] if by_default is None else _open_beyond(_of_family(rules, version), ports, by_default, members)
+            if extra is not None and not extra:
+                closer.setdefault(version, name)
+            elif version not in least or (least[version][1] is None and extra is not None):
+                least[version] = (name, extra)
+    for version in (4, 6):
+        if version not in closer:
+            name, extra = least[version]
+            return _open_cell(host, shown, name, extra, ipv6=version == 6)
+    return _services_in_range(host, facts, low, high or low) or Cell("PASS", f"members only ({closer[4].split()[0]})")
 
 
 def _services_in_range(host: str, facts: dict[str, Any], low: str, high: str) -> Cell | None:
