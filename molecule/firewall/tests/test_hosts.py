@@ -71,3 +71,36 @@ def test_the_boot_ruleset_no_longer_flushes_the_whole_ruleset(host: Any) -> None
     reset = lines.index("table inet filter")
     assert lines[reset + 1] == "delete table inet filter"
     assert reset < lines.index("table inet filter {")
+
+
+def _uid(host: Any, user: str) -> int:
+    return int(host.user(user).uid)
+
+
+def test_the_cluster_ports_refuse_every_local_account_but_root_and_the_jobs(host: Any) -> None:
+    # The output chain: new connections (a SYN) to the cluster ports of this host (any of its addresses: fib daddr type
+    # local, loopback included, IPv4 and IPv6) and of the members (the set members) are refused (TCP reset) unless the
+    # socket is root's or the job's account's (molecule.yml: firewall_job_user ugro; prepare.yml creates it and guest).
+    variables = host.ansible.get_variables()
+    table = host.check_output("nft list table inet ugro")
+    owners = f"meta skuid != {{ 0, {_uid(host, 'ugro')} }}"
+    syn = "tcp flags syn / fin,syn,rst,ack"
+    assert f"tcp dport {{ 29500, 32768-60999 }} {syn} {owners} fib daddr type local reject with tcp reset" in table
+    assert f"tcp dport {{ 29500, 32768-60999 }} {syn} {owners} ip daddr @members reject with tcp reset" in table
+    assert "type filter hook output priority" in table
+    members = host.check_output("nft list set inet ugro members")
+    assert variables["ugro_cluster_address"] in members
+    assert variables["testbed_non_members"][0]["address"] not in members
+    assert str(_uid(host, "guest")) not in table.split("meta skuid")[1].split("}")[0]
+
+
+def test_preflight_reads_the_live_rules_as_members_only_over_ipv4_and_ipv6(host: Any) -> None:
+    # What `make preflight` judges, from the facts ugro_host_facts reads on the host (IPv6 rules included).
+    from ugro.checks.preflight_network import firewall_check
+
+    runner = host.backend.ansible_runner
+    addresses = {name: runner.get_variables(name)["ugro_cluster_address"] for name in runner.get_hosts("ugro_cluster")}
+    facts = host.ansible("ugro_host_facts", "gather_subset=firewall,ports", check=False)["ansible_facts"]["ugro_host"]
+    cell = firewall_check(host.backend.get_hostname(), facts, addresses, 29500)
+    assert (cell.status, cell.detail) == ("PASS", "members only (nftables)"), cell
+    assert facts["firewall"]["nftables"]["present"]
