@@ -10,16 +10,22 @@ from pathlib import Path
 
 from helpers import ansible_playbook
 
-PLAY = """
-- name: The firewall role's checks only.
-  hosts: node1
+
+def _validate_play(hosts: str, then: str = "") -> str:
+    """A play of role firewall's checks only (its validate phase), and ``then``'s tasks after them."""
+    return f"""
+- name: The firewall role's checks.
+  hosts: {hosts}
   gather_facts: false
   tasks:
     - name: Validate.
       ansible.builtin.include_role:
         name: firewall
         tasks_from: validate.yml
-"""
+{then}"""
+
+
+PLAY = _validate_play("node1")
 
 
 def test_an_obsolete_firewall_setting_is_refused_naming_host_and_fix(tmp_path: Path) -> None:
@@ -35,19 +41,13 @@ def test_an_obsolete_firewall_setting_is_refused_naming_host_and_fix(tmp_path: P
     assert run.stdout.count("TASK [firewall :") == 1, run.stdout  # refused at its first check
 
 
-UIDS_PLAY = """
-- name: The firewall role's checks, then the uids it lets connect to the cluster ports.
-  hosts: ugro_cluster
-  gather_facts: false
-  tasks:
-    - name: Validate.
-      ansible.builtin.include_role:
-        name: firewall
-        tasks_from: validate.yml
-    - name: Show the uids.
+UIDS_PLAY = _validate_play(
+    "ugro_cluster",
+    """    - name: Show the uids.
       ansible.builtin.debug:
         msg: "uids={{ __firewall_local_uids | to_json }} account={{ __firewall_job_account }}"
-"""
+""",
+)
 
 
 def _cluster(tmp_path: Path, host_vars: str = "") -> Path:

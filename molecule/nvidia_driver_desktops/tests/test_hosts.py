@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 testinfra_hosts = ["ansible://ugro_cluster"]
+
+
+def _only(host: Any, name: str) -> None:
+    """Each test is about one desktop of the scenario (molecule.yml): skipped on the others."""
+    if host.backend.get_hostname() != name:
+        pytest.skip(f"{name}'s case")
 
 
 def _refusal(host: Any) -> str | None:
@@ -25,8 +33,7 @@ def _repo(host: Any) -> dict[str, Any]:
 
 
 def test_secure_boot_without_an_enrolled_key_is_refused_before_anything_is_installed(host: Any) -> None:
-    if host.backend.get_hostname() != "tb1":
-        return
+    _only(host, "tb1")
     refusal = _refusal(host)
     assert refusal is not None and refusal.startswith("tb1: Secure Boot is on"), refusal
     assert "sudo mokutil --import /var/lib/dkms/mok.pub" in refusal and "dkms generate_mok" in refusal, refusal
@@ -37,8 +44,7 @@ def test_secure_boot_without_an_enrolled_key_is_refused_before_anything_is_insta
 
 
 def test_secure_boot_with_the_key_enrolled_installs_and_builds_the_module(host: Any) -> None:
-    if host.backend.get_hostname() != "tb2":
-        return
+    _only(host, "tb2")
     repo = _repo(host)
     assert _refusal(host) is None
     assert f"nvidia-kernel-open-dkms {repo['driver_pinned']}-1" in _installed(host)
@@ -47,25 +53,22 @@ def test_secure_boot_with_the_key_enrolled_installs_and_builds_the_module(host: 
 
 
 def test_a_driver_of_another_origin_is_refused_naming_its_packages(host: Any) -> None:
-    if host.backend.get_hostname() != "tb3":
-        return
+    _only(host, "tb3")
     repo = _repo(host)
     refusal = _refusal(host)
     assert refusal is not None and refusal.startswith("tb3 has NVIDIA driver packages that are not NVIDIA's build")
     assert f"nvidia-kernel-open-dkms {repo['foreign_version']}" in refusal, refusal
     assert "nvidia_driver_replace_foreign: true" in refusal and "Nothing was installed" in refusal, refusal
     # Left as it was: the other build, not held, not mixed with ugro's.
-    names = ("nvidia-driver-cuda", "nvidia-kernel-open-dkms", "nvidia-smi")
-    assert _installed(host) == [f"{name} {repo['foreign_version']}" for name in names]
+    assert _installed(host) == [f"{name} {repo['foreign_version']}" for name in sorted(repo["driver_packages"])]
     assert not host.file("/etc/apt/preferences.d/nvidia-driver").exists
 
 
 def test_a_driver_of_another_origin_is_replaced_when_asked(host: Any) -> None:
-    if host.backend.get_hostname() != "tb4":
-        return
+    _only(host, "tb4")
     repo = _repo(host)
     assert _refusal(host) is None
-    names = ("nvidia-driver-cuda", "nvidia-kernel-open-dkms", "nvidia-smi")
+    names = sorted(repo["driver_packages"])
     assert _installed(host) == [f"{name} {repo['driver_pinned']}-1" for name in names]
     held = host.check_output("dpkg-query -W -f '${Package} ${Status}\\n' " + " ".join(names)).splitlines()
     assert held == [f"{name} hold ok installed" for name in names]
