@@ -117,10 +117,10 @@ def one_line(exc: BaseException, limit: int = 400) -> str:
 
 def record(run_dir: Path, exc: BaseException, host: str, rank: int, step: int | None) -> Failure:
     """Append this rank's failure to its host's failures.jsonl; returns it."""
-    kind = kind_of(exc)
+    cause = exc if isinstance(exc, Stopped) else _Received.stop or exc  # what carried a stop out is not its cause
     failure = Failure(
-        kind=kind,
-        message=one_line(exc if isinstance(exc, Stopped) or _Received.stop is None else _Received.stop),
+        kind=kind_of(exc),
+        message=one_line(cause),
         host=host,
         rank=rank,
         step=step,

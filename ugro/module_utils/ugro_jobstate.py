@@ -114,10 +114,8 @@ def read_text(path: Path, limit: int = READ_LIMIT) -> str:
 
 
 def _read_int(path: Path) -> int | None:
-    try:
-        return int(read_text(path).split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
+    """A file's first number (a pid, an exit code, an attempt)."""
+    return _read_pid(path)[0]
 
 
 def _read_pid(path: Path) -> tuple[int | None, float | None]:
