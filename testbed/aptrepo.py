@@ -244,7 +244,7 @@ def _driver_packages(version: str, revision: str | None = None) -> list[Package]
                 (standins.HEADER_HOOK, 0o755, standins.header_hook()),
             ),
             section="non-free/kernel",
-            scripts=tuple(standins.dkms_scripts(version).items()),
+            scripts=tuple(standins.dkms_scripts().items()),
         ),
         Package(
             "nvidia-smi",

@@ -111,11 +111,10 @@ exit $status
 """
 
 
-def dkms_scripts(version: str) -> dict[str, str]:
+def dkms_scripts() -> dict[str, str]:
     """postinst (build for every kernel) and prerm (remove the built modules) of the DKMS package."""
     postinst = f'#!/bin/sh\nset -e\nif [ "$1" = configure ]; then {BUILD_SCRIPT}; fi\n'
     prerm = "#!/bin/sh\nrm -f /lib/modules/*/updates/dkms/nvidia.ko\n"
-    del version
     return {"postinst": postinst, "prerm": prerm}
 
 
