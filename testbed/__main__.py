@@ -1,7 +1,7 @@
-"""``python -m testbed up|down ...``: the test cluster's command line (testbed/cluster.py)."""
+"""``python -m testbed up|down ...``: the test cluster's command line (testbed/cli.py)."""
 
 import sys
 
-from testbed.cluster import main
+from testbed.cli import main
 
 sys.exit(main())

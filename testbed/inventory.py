@@ -1,4 +1,5 @@
-"""The test cluster's Ansible inventory and ssh_config, written from its state (testbed/cluster.py ``up``)."""
+"""The test cluster's Ansible inventory and ssh_config, written from its state (testbed/bringup.py ``up``); and
+the copy of that inventory the multi-host tests and benchmarks run on (one CPU rank a host)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from testbed.state import Testbed
 
 REPO = Path(__file__).resolve().parent.parent
 # Not resolved: the venv's python is a symlink, and only the venv path gives the venv's packages.
@@ -44,7 +47,7 @@ def _write_rootfs(state: dict[str, Any]) -> None:
     }
     inventory = {"all": {"vars": group_vars, "children": {"ugro_cluster": {"hosts": hosts}}}}
     header = (
-        "# Written by testbed/cluster.py: test hosts with their own Debian root filesystem\n"
+        "# Written by testbed/inventory.py: test hosts with their own Debian root filesystem\n"
         "# (network namespaces + bubblewrap + overlay + sshd), packages through the apt proxy.\n"
     )
     (directory / "inventory.yml").write_text(header + "---\n" + yaml.safe_dump(inventory, sort_keys=False))
@@ -85,7 +88,7 @@ def write(state: dict[str, Any]) -> None:
     if state.get("non_members"):
         inventory["all"]["vars"] = {"testbed_non_members": non_member_vars(state)}
     header = (
-        "# Written by testbed/cluster.py: the testbed hosts (network namespaces + bubblewrap + sshd).\n"
+        "# Written by testbed/inventory.py: the testbed hosts (network namespaces + bubblewrap + sshd).\n"
         "# The cluster defaults come from the playbooks' role ugro (roles/ugro/defaults/main.yml).\n"
     )
     (directory / "inventory.yml").write_text(header + "---\n" + yaml.safe_dump(inventory, sort_keys=False))
@@ -103,3 +106,13 @@ def write(state: dict[str, Any]) -> None:
         for h in state["hosts"]
     ]
     (directory / "ssh_config").write_text("\n".join(blocks))
+
+
+def one_rank_per_host(bed: Testbed, path: Path) -> Path:
+    """A copy of the testbed's inventory at ``path`` where every host starts one CPU rank with one thread: the
+    test hosts share this machine's cores, and three ranks are what the multi-host tests and benchmarks run."""
+    data = yaml.safe_load(Path(bed.inventory).read_text())
+    for host in data["all"]["children"]["ugro_cluster"]["hosts"].values():
+        host |= {"ugro_cpu_procs_per_node": 1, "ugro_omp_num_threads": 1}
+    path.write_text(yaml.safe_dump(data))
+    return path

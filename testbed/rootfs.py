@@ -202,13 +202,13 @@ def prepare_root(root: Path, name: str, sshd_config: str, pubkey: str, proxy: st
     apt_conf = etc / "apt" / "apt.conf.d"
     bridge = proxy.split("//", 1)[1].rsplit(":", 1)[0]
     (apt_conf / "01testbed-proxy").write_text(
-        "// Written by testbed/cluster.py: the only way out of a test host. The controller's own\n"
+        "// Written by testbed/rootfs.py: the only way out of a test host. The controller's own\n"
         "// services (the local apt repository) are reached directly.\n"
         f'Acquire::http::Proxy "{proxy}";\nAcquire::http::Proxy::{bridge} "DIRECT";\n'
     )
     # No init system in a test host: package scripts must not start daemons (Debian's container default).
     policy = root / "usr" / "sbin" / "policy-rc.d"
-    policy.write_text("#!/bin/sh\n# Written by testbed/cluster.py: no services start in a test host.\nexit 101\n")
+    policy.write_text("#!/bin/sh\n# Written by testbed/rootfs.py: no services start in a test host.\nexit 101\n")
     policy.chmod(0o755)
 
 

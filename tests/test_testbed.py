@@ -1,4 +1,4 @@
-"""The testbed (testbed/cluster.py): real hosts on this machine, reached by Ansible over real SSH.
+"""The testbed (testbed/cluster.py and its modules): real hosts on this machine, reached by Ansible over real SSH.
 
 Needs root and `ip netns`; `up` apt-installs bubblewrap/openssh when they are missing.
 """
@@ -21,6 +21,7 @@ import yaml
 from helpers import REPO
 
 from testbed import cluster as tb
+from testbed import sshd
 
 VENV_BIN = REPO / ".venv" / "bin"
 # Subnets of their own, so `make test` runs beside a `make testbed-up` (10.213.7.0/24).
@@ -194,7 +195,7 @@ def test_failed_up_removes_what_it_made(tmp_path: Path, monkeypatch: pytest.Monk
         seen.update(copy.deepcopy(state))
         raise tb.TestbedError("sshd did not accept connections (injected)")
 
-    monkeypatch.setattr(tb, "_wait_for_sshd", sshd_never_answers)
+    monkeypatch.setattr(sshd, "wait_for_sshd", sshd_never_answers)
     with pytest.raises(tb.TestbedError, match=r"everything made was removed.*injected"):
         tb.up(tmp_path / "bed", hosts=2, subnet=SCRATCH_SUBNET)
     assert len(seen["namespaces"]) == 2 and len(seen["processes"]) == 4  # it got as far as the sshds
