@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = sorted([REPO / "README.md", REPO / "tests" / "README.md", *(REPO / "docs").glob("*.md")])
+DOCS = sorted([REPO / "README.md", REPO / "CHANGELOG.md", REPO / "tests" / "README.md", *(REPO / "docs").glob("*.md")])
 README_MAX_LINES = 220
 
 # A backticked token is taken for a repository path when it starts with one of these top-level directories.
@@ -131,6 +131,16 @@ def test_the_readme_links_every_docs_page() -> None:
     text = (REPO / "README.md").read_text()
     unlinked = [_rel(p) for p in sorted((REPO / "docs").glob("*.md")) if f"]({_rel(p)})" not in text]
     assert unlinked == [], f"README.md does not link {unlinked}"
+
+
+# Narration of what earlier versions did, which belongs in CHANGELOG.md: the docs say what is.
+HISTORY = re.compile(r"\b(used to|before this change|earlier versions?|previously|formerly)\b", re.I)
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if d.name != "CHANGELOG.md"], ids=_rel)
+def test_the_docs_say_what_is_not_what_was(doc: Path) -> None:
+    found = [m.group(0) for m in HISTORY.finditer(FENCE.sub("", doc.read_text()))]
+    assert found == [], f"{_rel(doc)} narrates history ({found}): move it to CHANGELOG.md"
 
 
 def test_the_checks_see_what_they_should() -> None:
