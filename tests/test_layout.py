@@ -131,3 +131,24 @@ def test_every_host_module_documents_its_options() -> None:
         doc = docs[name]["doc"]
         assert doc["short_description"], name
         assert docs[name]["return"], f"{name}: no RETURN documentation"
+
+
+def _named_in_architecture(path: Path, room: Path, documented: str) -> bool:
+    """``path`` named in backticks: by its path in the repository or in its room, with or without its suffix, or by
+    its file name or stem."""
+    rel, inside = path.relative_to(REPO), path.relative_to(room)
+    names = {str(rel), str(rel.with_suffix("")), str(inside), str(inside.with_suffix("")), path.name, path.stem}
+    return any(f"`{name}`" in documented for name in names)
+
+
+def test_every_controller_testbed_module_and_playbook_is_in_the_architecture_page() -> None:
+    """docs/architecture.md names every module of ugro/ and testbed/ and every playbook, as it does train/'s."""
+    documented = (REPO / "docs" / "architecture.md").read_text()
+    rooms = {"ugro": "*.py", "testbed": "*.py", "playbooks": "*.yml"}
+    missing = [
+        str(path.relative_to(REPO))
+        for room, pattern in rooms.items()
+        for path in sorted((REPO / room).rglob(pattern))
+        if path.stem != "__init__" and not _named_in_architecture(path, REPO / room, documented)
+    ]
+    assert missing == [], f"not in docs/architecture.md: {missing}"
