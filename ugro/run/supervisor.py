@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,58 @@ class Outcome:
 
     def record(self) -> RunRecord:
         return RunRecord(self.hosts, self.main, self.state, self.cause, self.restarts, self.copy_failures)
+
+
+class State(Enum):
+    """Where the follow loop is (Supervisor.advance): each state is one method of the supervisor, which returns the
+    next.
+
+    launching -> following            the launch playbook started the job (a relaunch that fails somewhere: regrouping)
+    following -> finished             every rank finished, or the run was stopped
+    following -> adopting             the ranks changed their group themselves (survivors without a controller, a
+                                      host taken back in) -> following that group
+    following -> regrouping           a host or rank failed: the survivors go on in their processes -> following,
+                                      or where they cannot -> relaunching
+    relaunching -> launching | failed  the next attempt on the hosts left, or no restart is possible
+    """
+
+    LAUNCHING = "launching"
+    FOLLOWING = "following"
+    ADOPTING = "adopting"
+    REGROUPING = "regrouping"
+    RELAUNCHING = "relaunching"
+    FINISHED = "finished"  # the run finished or was stopped (Outcome.state says which)
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault as the controller detected it: what recovering from it (regrouping, relaunching) needs."""
+
+    cause: Cause
+    gone: list[str]  # the hosts the next group or launch leaves out
+    detected: float  # epoch seconds: the restart's figures count from here
+    last_step: int  # the main rank's newest step a poll saw
+    last_checkpoint: int | None  # the main host's newest checkpoint's step (a relaunch on it resumes there)
+
+
+@dataclass
+class Loop:
+    """The follow loop's state, in one place: the run's hosts and main host now, which launch attempt and which
+    membership generation of it run (ugro/run/attach.py Supervision: the same two counters, read back), and what
+    the last state learned for the next."""
+
+    hosts: list[str]
+    main: str
+    state: State = State.LAUNCHING
+    attempt: int = 0  # the launch attempt: one more for every relaunch
+    generation: int = 0  # the membership generation since that launch: one more for every regroup
+    resume: bool = False  # the first launch resumes from the newest checkpoint (a relaunch always does)
+    on_started: Callable[[], None] | None = None  # called once the first launch started
+    statuses: Statuses = field(default_factory=dict)  # the hosts' job states at the last poll (or failed launch)
+    agreed: list[dict[str, Any]] = field(default_factory=list)  # adopting: the regroups the ranks agreed on
+    fault: Fault | None = None  # regrouping, relaunching: the fault being recovered from
+    outcome: Outcome | None = None  # finished, failed: how the run ended
 
 
 @dataclass
@@ -259,125 +312,181 @@ class Supervisor:
         """Launch, follow and recover until the run finishes, is stopped, or fails for good.
         Raises LaunchError if the first launch fails (nothing ran); ``on_started`` runs once it started. With
         ``attached`` (`make follow`), the run is already launched: follow it from where that record left it."""
-        hosts, main = list(self.cluster.hosts), self.cluster.main_host
-        attempt, generation, relaunch = 0, 0, True
+        loop = self.begin(resume, on_started, attached)
+        while loop.outcome is None:
+            self.advance(loop)
+        return loop.outcome
+
+    def begin(
+        self, resume: bool, on_started: Callable[[], None] | None = None, attached: Supervision | None = None
+    ) -> Loop:
+        """The loop's first state: launching on every host of the inventory, or following the run ``attached`` is the
+        record of (its hosts, main host, attempt and generation, and its restarts so far)."""
+        loop = Loop(list(self.cluster.hosts), self.cluster.main_host, resume=resume, on_started=on_started)
         if attached is not None:
-            hosts, main, relaunch = list(attached.hosts), attached.main, False
-            attempt, generation = attached.attempt, attached.generation
+            loop.hosts, loop.main, loop.state = list(attached.hosts), attached.main, State.FOLLOWING
+            loop.attempt, loop.generation = attached.attempt, attached.generation
             self.restarts, self.copy_failures = list(attached.restarts), list(attached.copy_failures)
         elif resume:
-            self.copies.place(hosts, main)
-        self._record(hosts, main)
-        while True:
-            self._members = set(hosts)  # after a regroup: a copy under way with a lost host is given up
-            began = time.time()
-            launch = self._launch(attempt, hosts, main, resume or attempt > 0) if relaunch else None
-            self.first_launch = self.first_launch or launch
-            if self.restarts and relaunch:
-                self.restarts[-1].launch_s = round(time.time() - began, 1)
-            if launch is not None and not launch.ok:
-                if attempt == 0:
-                    raise LaunchError(launch)
-                # A relaunch that cannot start somewhere: leave those hosts out and try again.
-                host, message = next(iter(launch.failures.items()), (main, "the launch playbook failed"))
-                cause = Cause("launch", message.splitlines()[0], host)
-                statuses: Statuses = {h: {"state": "unreachable", "error": m} for h, m in launch.failures.items()}
-                gone, last_step, last_checkpoint = list(launch.failures), 0, None
-            else:
-                if attempt == 0 and relaunch and on_started is not None:
-                    on_started()
-                verdict, statuses, watch, last_step = self._follow(attempt, hosts, main, generation)
-                last_checkpoint = _step_of(statuses.get(main, {}).get("last_checkpoint"))
-                self._settle_restart(attempt, generation, statuses, main)
-                agreed = recovery.survivors_regroups(statuses, attempt, generation)
-                if agreed:  # while no controller followed, the survivors went on without a host: follow them
-                    hosts, main, generation = self._adopt(agreed, hosts)
-                    relaunch = False
-                    self._record(hosts, main)
-                    continue
-                if verdict in ("finished", "stopped"):
-                    self._copies_settled(hosts)
-                    if generation:  # the survivors' torchrun agents wait for the lost host's at their exit barrier
-                        self._stop([h for h in hosts if statuses.get(h, {}).get("pids")], main)
-                    return Outcome(verdict, statuses, hosts, main, restarts=self.restarts,
+            self.copies.place(loop.hosts, loop.main)
+        self._record(loop.hosts, loop.main)
+        return loop
+
+    def advance(self, loop: Loop) -> None:
+        """One transition: the function of the loop's state runs and names the next state."""
+        transitions: dict[State, Callable[[Loop], State]] = {
+            State.LAUNCHING: self.launching,
+            State.FOLLOWING: self.following,
+            State.ADOPTING: self.adopting,
+            State.REGROUPING: self.regrouping,
+            State.RELAUNCHING: self.relaunching,
+        }
+        if loop.state not in transitions:
+            raise ValueError(f"the run has ended ({loop.state.value}): nothing follows")
+        loop.state = transitions[loop.state](loop)
+
+    # -- the states ---------------------------------------------------------------------------------------
+
+    def launching(self, loop: Loop) -> State:
+        """Launch the job on the loop's hosts -> following; a relaunch that fails somewhere -> regrouping (a fault
+        of the hosts that failed: no survivors run, so it relaunches without them). The first launch failing raises
+        LaunchError: nothing ran."""
+        began = time.time()
+        launch = self._launch(loop.attempt, loop.hosts, loop.main, loop.resume or loop.attempt > 0)
+        self.first_launch = self.first_launch or launch
+        if self.restarts:
+            self.restarts[-1].launch_s = round(time.time() - began, 1)
+        if launch.ok:
+            if loop.attempt == 0 and loop.on_started is not None:
+                loop.on_started()
+            return State.FOLLOWING
+        if loop.attempt == 0:
+            raise LaunchError(launch)
+        # A relaunch that cannot start somewhere: leave those hosts out and try again.
+        host, message = next(iter(launch.failures.items()), (loop.main, "the launch playbook failed"))
+        loop.statuses = {h: {"state": "unreachable", "error": m} for h, m in launch.failures.items()}
+        loop.fault = self._fault(Cause("launch", message.splitlines()[0], host), list(launch.failures), 0, None)
+        return State.REGROUPING
+
+    def following(self, loop: Loop) -> State:
+        """Follow the running job until it ends (-> finished), its ranks change their group themselves (-> adopting)
+        or a host or rank fails (-> regrouping, with the fault's root cause and the hosts that are gone)."""
+        self._members = set(loop.hosts)  # after a regroup: a copy under way with a lost host is given up
+        verdict, statuses, watch, last_step = self._follow(loop.attempt, loop.hosts, loop.main, loop.generation)
+        loop.statuses = statuses
+        self._settle_restart(loop.attempt, loop.generation, statuses, loop.main)
+        loop.agreed = recovery.survivors_regroups(statuses, loop.attempt, loop.generation)
+        if loop.agreed:  # while no controller followed, the survivors went on without a host: follow them
+            return State.ADOPTING
+        if verdict in ("finished", "stopped"):
+            self._copies_settled(loop.hosts)
+            if loop.generation:  # the survivors' torchrun agents wait for the lost host's at their exit barrier
+                self._stop([h for h in loop.hosts if statuses.get(h, {}).get("pids")], loop.main)
+            loop.outcome = Outcome(verdict, statuses, loop.hosts, loop.main, restarts=self.restarts,
                                    copy_failures=self.copy_failures)  # fmt: skip
-                unreachable = watch.unreachable(polls=1)
-                cause = recovery.root_cause(statuses, hosts, unreachable) or Cause(
-                    "error", "a host failed without a recorded cause", hosts[0]
-                )
-                gone = recovery.blamed(statuses, hosts, unreachable)
-            self.console.print(f"[bold red]failure:[/] {cause.line()}", highlight=False)
-            detected = time.time()
-            # A host whose crashed ranks its launcher starts again is left out of the group until they are back.
-            rejoining = [h for h in recovery.rejoining(statuses, hosts) if h not in gone]
-            survivors = self._survivors(statuses, hosts, main, gone + rejoining, cause)
-            if survivors is not None:
-                kept = recovery.main_host_for(survivors, main)  # the main host, or the first survivor where it is gone
-                unanswered = self._regroup(survivors, kept, generation + 1)
-                if not unanswered:
-                    generation += 1
-                    told = time.time()
-                    self.restarts.append(Restart(
-                        attempt=len(self.restarts) + 1, time=round(detected, 3), cause=cause, hosts_before=hosts,
-                        hosts_after=survivors, left_out=[h for h in self.cluster.hosts if h not in survivors],
-                        main_host=kept, checkpoint_step=None, last_step_seen=last_step, how="regroup",
-                        membership_s=round(told - detected, 1),
-                    ))  # fmt: skip
-                    moved = f"; {kept} keeps the run's records now" if kept != main else ""
-                    back = f"; {', '.join(rejoining)} rejoins them once its ranks are up again" if rejoining else ""
-                    without = ", ".join(gone + rejoining)
-                    self.console.print(
-                        f"[bold yellow]restart {self._counted()}/{self.job.train.max_restarts}:[/] the ranks on "
-                        f"{', '.join(survivors)} go on without {without} (no relaunch{moved}{back})",
-                        highlight=False,
-                    )
-                    hosts, main, relaunch = survivors, kept, False
-                    self._record(hosts, main)
-                    continue
-                self.console.print(f"[yellow]regroup not possible, relaunching:[/] {unanswered}", highlight=False)
-            self._copies_settled([h for h in hosts if h not in gone])
-            # Whatever is left of the job stops now (torchrun's survivors would wait for the lost peer): on the
-            # hosts of this launch where it still runs, and on those an earlier fault left out (a host that comes
-            # back may still run the job's old processes).
-            ended = {h for h in hosts if statuses.get(h, {}).get("state") in ENDED and not statuses[h].get("pids")}
-            unanswered = self._stop([h for h in self.cluster.hosts if h not in gone and h not in ended], main)
-            stopped = time.time()
-            problem = self._give_up(cause)
-            candidates = [h for h in self.cluster.hosts if h not in gone and h not in unanswered]
-            if problem is None and len(candidates) < self.job.train.min_hosts:
-                problem = (
-                    f"only {len(candidates)} host(s) left ({', '.join(candidates) or 'none'}), fewer than "
-                    f"train.min_hosts={self.job.train.min_hosts}"
-                )
-            if problem is not None:
-                self.console.print(f"[bold red]not restarting:[/] {problem}", highlight=False)
-                return Outcome("failed", statuses, hosts, main, cause=cause, restarts=self.restarts,
-                               copy_failures=self.copy_failures)  # fmt: skip
-            new_main = recovery.main_host_for(candidates, self.cluster.main_host)
-            # The main host keeps its own checkpoints; a new one gets the newest intact copy from wherever it is.
-            step = last_checkpoint if new_main == main else self.copies.place(candidates, new_main)[0]
-            attempt, generation, relaunch = attempt + 1, 0, True
-            self.restarts.append(Restart(
-                attempt=len(self.restarts) + 1,
-                time=round(detected, 3),
-                cause=cause,
-                hosts_before=hosts,
-                hosts_after=candidates,
-                left_out=[h for h in self.cluster.hosts if h not in candidates],
-                main_host=new_main,
-                checkpoint_step=step,
-                last_step_seen=last_step,
-                stop_s=round(stopped - detected, 1),
-                place_checkpoint_s=round(time.time() - stopped, 1),
-            ))  # fmt: skip
-            self.console.print(
-                f"[bold yellow]restart {self._counted()}/{self.job.train.max_restarts}:[/] relaunching on "
-                f"{', '.join(candidates)} (main host {new_main}) from "
-                f"{f'checkpoint step {step}' if step is not None else 'step 0 (no intact checkpoint)'}",
-                highlight=False,
-            )
-            hosts, main = candidates, new_main
-            self._record(hosts, main)
+            return State.FINISHED
+        unreachable = watch.unreachable(polls=1)
+        cause = recovery.root_cause(statuses, loop.hosts, unreachable) or Cause(
+            "error", "a host failed without a recorded cause", loop.hosts[0]
+        )
+        gone = recovery.blamed(statuses, loop.hosts, unreachable)
+        checkpoint = _step_of(statuses.get(loop.main, {}).get("last_checkpoint"))
+        loop.fault = self._fault(cause, gone, last_step, checkpoint)
+        return State.REGROUPING
+
+    def adopting(self, loop: Loop) -> State:
+        """The regroups the ranks agreed on themselves become the run's restarts -> following the group they
+        formed (no launch: its ranks run)."""
+        loop.hosts, loop.main, loop.generation = self._adopt(loop.agreed, loop.hosts)
+        loop.agreed = []
+        self._record(loop.hosts, loop.main)
+        return State.FOLLOWING
+
+    def regrouping(self, loop: Loop) -> State:
+        """After a fault: tell the survivors to go on without the hosts that are gone (and without a host whose
+        crashed ranks restart, until they are back) -> following them, or -> relaunching where the fault needs it
+        or a survivor could not be told."""
+        fault = self._the_fault(loop)
+        # A host whose crashed ranks its launcher starts again is left out of the group until they are back.
+        rejoining = [h for h in recovery.rejoining(loop.statuses, loop.hosts) if h not in fault.gone]
+        survivors = self._survivors(loop.statuses, loop.hosts, loop.main, fault.gone + rejoining, fault.cause)
+        if survivors is None:
+            return State.RELAUNCHING
+        kept = recovery.main_host_for(survivors, loop.main)  # the main host, or the first survivor where it is gone
+        unanswered = self._regroup(survivors, kept, loop.generation + 1)
+        if unanswered:
+            self.console.print(f"[yellow]regroup not possible, relaunching:[/] {unanswered}", highlight=False)
+            return State.RELAUNCHING
+        loop.generation += 1
+        told = time.time()
+        self.restarts.append(Restart(
+            attempt=len(self.restarts) + 1, time=round(fault.detected, 3), cause=fault.cause, hosts_before=loop.hosts,
+            hosts_after=survivors, left_out=[h for h in self.cluster.hosts if h not in survivors],
+            main_host=kept, checkpoint_step=None, last_step_seen=fault.last_step, how="regroup",
+            membership_s=round(told - fault.detected, 1),
+        ))  # fmt: skip
+        moved = f"; {kept} keeps the run's records now" if kept != loop.main else ""
+        back = f"; {', '.join(rejoining)} rejoins them once its ranks are up again" if rejoining else ""
+        self.console.print(
+            f"[bold yellow]restart {self._counted()}/{self.job.train.max_restarts}:[/] the ranks on "
+            f"{', '.join(survivors)} go on without {', '.join(fault.gone + rejoining)} (no relaunch{moved}{back})",
+            highlight=False,
+        )
+        loop.hosts, loop.main, loop.fault = survivors, kept, None
+        self._record(loop.hosts, loop.main)
+        return State.FOLLOWING
+
+    def relaunching(self, loop: Loop) -> State:
+        """Stop what is left of the job, leave out the hosts that are gone and place the newest intact checkpoint on
+        the main host -> launching the next attempt; -> failed where the fault would happen again, the restarts are
+        used up, or fewer than ``train.min_hosts`` hosts are left."""
+        fault = self._the_fault(loop)
+        self._copies_settled([h for h in loop.hosts if h not in fault.gone])
+        # Whatever is left of the job stops now (torchrun's survivors would wait for the lost peer): on the
+        # hosts of this launch where it still runs, and on those an earlier fault left out (a host that comes
+        # back may still run the job's old processes).
+        statuses = loop.statuses
+        ended = {h for h in loop.hosts if statuses.get(h, {}).get("state") in ENDED and not statuses[h].get("pids")}
+        unanswered = self._stop([h for h in self.cluster.hosts if h not in fault.gone and h not in ended], loop.main)
+        stopped = time.time()
+        candidates = [h for h in self.cluster.hosts if h not in fault.gone and h not in unanswered]
+        problem = self._give_up(cause=fault.cause, candidates=candidates)
+        if problem is not None:
+            self.console.print(f"[bold red]not restarting:[/] {problem}", highlight=False)
+            loop.outcome = Outcome("failed", statuses, loop.hosts, loop.main, cause=fault.cause,
+                                   restarts=self.restarts, copy_failures=self.copy_failures)  # fmt: skip
+            return State.FAILED
+        new_main = recovery.main_host_for(candidates, self.cluster.main_host)
+        # The main host keeps its own checkpoints; a new one gets the newest intact copy from wherever it is.
+        step = fault.last_checkpoint if new_main == loop.main else self.copies.place(candidates, new_main)[0]
+        loop.attempt, loop.generation = loop.attempt + 1, 0
+        self.restarts.append(Restart(
+            attempt=len(self.restarts) + 1, time=round(fault.detected, 3), cause=fault.cause,
+            hosts_before=loop.hosts, hosts_after=candidates,
+            left_out=[h for h in self.cluster.hosts if h not in candidates], main_host=new_main,
+            checkpoint_step=step, last_step_seen=fault.last_step, stop_s=round(stopped - fault.detected, 1),
+            place_checkpoint_s=round(time.time() - stopped, 1),
+        ))  # fmt: skip
+        self.console.print(
+            f"[bold yellow]restart {self._counted()}/{self.job.train.max_restarts}:[/] relaunching on "
+            f"{', '.join(candidates)} (main host {new_main}) from "
+            f"{f'checkpoint step {step}' if step is not None else 'step 0 (no intact checkpoint)'}",
+            highlight=False,
+        )
+        loop.hosts, loop.main, loop.fault = candidates, new_main, None
+        self._record(loop.hosts, loop.main)
+        return State.LAUNCHING
+
+    def _fault(self, cause: Cause, gone: list[str], last_step: int, last_checkpoint: int | None) -> Fault:
+        """A fault as it is detected: one line on the console, and the moment its restart's figures count from."""
+        self.console.print(f"[bold red]failure:[/] {cause.line()}", highlight=False)
+        return Fault(cause, gone, time.time(), last_step, last_checkpoint)
+
+    @staticmethod
+    def _the_fault(loop: Loop) -> Fault:
+        if loop.fault is None:
+            raise ValueError(f"{loop.state.value}: no fault to recover from")
+        return loop.fault
 
     def _adopt(self, agreed: list[dict[str, Any]], hosts: list[str]) -> tuple[list[str], str, int]:
         """The regroups the survivors agreed on themselves (``agreed``, oldest first) become the run's restarts; the
@@ -389,11 +498,17 @@ class Supervisor:
         self.restarts += adopted
         return hosts, main, generation
 
-    def _give_up(self, cause: Cause) -> str | None:
+    def _give_up(self, cause: Cause, candidates: list[str] | None = None) -> str | None:
+        """Why the run cannot be relaunched after ``cause`` (on ``candidates``, where given), or None."""
         if cause.kind in recovery.NOT_RESTARTABLE:
             return f"a {cause.kind} failure would happen again on a relaunch"
         if self._counted() >= self.job.train.max_restarts:
             return f"restarts exhausted ({self._counted()} of train.max_restarts={self.job.train.max_restarts})"
+        if candidates is not None and len(candidates) < self.job.train.min_hosts:
+            return (
+                f"only {len(candidates)} host(s) left ({', '.join(candidates) or 'none'}), fewer than "
+                f"train.min_hosts={self.job.train.min_hosts}"
+            )
         return None
 
     def _counted(self) -> int:
