@@ -28,6 +28,7 @@ import psutil
 
 from testbed.net import free_port
 from testbed.planted import plant_run
+from ugro.hosts.playbook import runs_dir
 
 REPO = Path(__file__).resolve().parent.parent
 EXPORTER = REPO / "ugro" / "module_utils" / "ugro_exporter.py"
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the exporter and the stand-in worker are stopped
     result = measure(args.interval, args.duration, args.burst)
-    out = REPO / "runs" / "bench" / "exporter.json"
+    out = runs_dir() / "bench" / "exporter.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(

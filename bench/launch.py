@@ -23,6 +23,8 @@ from rich.table import Table
 
 from bench.cluster_job import tiny_job
 from testbed import cluster as testbed_cluster
+from ugro.hosts.playbook import runs_dir
+from ugro.run import phases
 
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.10.0/24"  # its own: `make test`, `make testbed-up` and `make bench-recovery` use others
@@ -33,14 +35,17 @@ console = Console(width=170)
 
 def _launch(job_file: Path, cluster: Path, checks: bool) -> dict[str, Any]:
     """One `ugro train` to its end; the controller's record of its first launch's phases."""
-    before = set((REPO / "runs").glob(f"{NAME}-*"))
+    before = set(runs_dir().glob(f"{NAME}-*"))
     argv = [sys.executable, "-m", "ugro.cli", "train", "--job", str(job_file), "--inventory", str(cluster),
             "--poll", "2", *([] if checks else ["--skip-preflight"])]  # fmt: skip
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
         raise SystemExit(f"the job failed:\n{(done.stdout + done.stderr)[-4000:]}")
-    (run_dir,) = set((REPO / "runs").glob(f"{NAME}-*")) - before
-    return dict(json.loads((run_dir / "run.json").read_text())["launch_phases"])
+    (run_dir,) = set(runs_dir().glob(f"{NAME}-*")) - before
+    recorded = phases.recorded(run_dir)
+    if recorded is None:
+        raise SystemExit(f"{run_dir}: the run recorded no launch phases (run.json launch_phases)")
+    return recorded
 
 
 def main() -> int:

@@ -35,6 +35,7 @@ from testbed import cluster as testbed_cluster
 from train.config import JobConfig
 from train.layout import stageplan
 from train.metrics import read_metrics
+from ugro.hosts.playbook import runs_dir
 from ugro.model import basemodel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,7 +66,7 @@ def _train(name: str, job: dict[str, Any], inventory: Path) -> Path:
             raise SystemExit(f"{name} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
     finally:
         job_file.unlink(missing_ok=True)
-    return sorted((REPO / "runs").glob(f"{name}-*"))[-1]
+    return sorted(runs_dir().glob(f"{name}-*"))[-1]
 
 
 def _figures(run: Path, skip: int) -> dict[str, Any]:

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,9 @@ from bench.cluster_job import tiny_job
 from testbed import cluster as testbed_cluster
 from testbed import exporters as testbed_exporters
 from train.recovery.consensus import FOLLOW_GRACE_S
+from ugro.hosts.playbook import runs_dir
+from ugro.run import phases
+from ugro.run.records import Restart, RunRecord
 
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.9.0/24"  # its own: `make test` and `make testbed-up` use others
@@ -69,7 +73,7 @@ def _wait_step(bed: Any, step: int, proc: subprocess.Popen[str]) -> str:
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"the job ended before step {step}:\n{proc.communicate()[0][-3000:]}")
-        runs = sorted((REPO / "runs").glob(f"{NAME}-*"))
+        runs = sorted(runs_dir().glob(f"{NAME}-*"))
         if runs and any(r["step"] >= step for r in _rows(bed, runs[-1].name)):
             return runs[-1].name
         time.sleep(0.1)
@@ -122,6 +126,143 @@ class CpuClock:
         self._thread.join()
 
 
+@dataclass(frozen=True)
+class Figure:
+    """One row of the table: the seconds from a moment (the launch, a fault) to the next step, and where a fault's
+    seconds went, from the restart the run recorded for it (ugro/run/records.py)."""
+
+    what: str
+    seconds: float
+    goal: str
+    restart: Restart | None = None
+    fault_at: float = 0.0  # epoch seconds: when the fault was made
+
+    def spent(self) -> list[float]:
+        """Detect, stop / tell, checkpoint, launch: the rest of ``seconds`` went to the next step."""
+        restart = self.restart
+        if restart is None:
+            return []
+        told = restart.membership_s if restart.how == "regroup" else restart.stop_s
+        return [restart.time - self.fault_at, told or 0.0, restart.place_checkpoint_s or 0.0, restart.launch_s or 0.0]
+
+    def row(self) -> list[str]:
+        spent = self.spent()
+        if self.restart is None:
+            return [self.what, f"{self.seconds:.1f}", self.goal, *[""] * 7]
+        return [self.what, f"{self.seconds:.1f}", self.goal, self.restart.how, *(f"{x:.1f}" for x in spent),
+                f"{self.seconds - sum(spent):.1f}", str(self.restart.steps_redone)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Result:
+    """The last line printed (one JSON object): the figures docs/results.md quotes."""
+
+    launch_to_first_step_s: float
+    launch_cpu_s: float
+    kill_to_next_step_s: float
+    kill_steps_redone: int | None
+    rendezvous_cut_to_next_step_s: float  # the main host's link cut (the key keeps its first name: results quote it)
+    cut_steps_redone: int | None
+    load: float
+    polls: str
+    controller: str
+    kill_decided_by: str | None
+    fault: str
+    kill_to_back_in_s: float | None
+    rejoins: int
+
+
+@dataclass
+class Timeline:
+    """What happened when (epoch seconds), as the benchmark drove the run."""
+
+    job_id: str = ""
+    started: float = 0.0
+    killed: float = 0.0
+    cut: float = 0.0
+    loads: list[float] = field(default_factory=list)
+    output: str = ""  # what the (last) controller printed
+
+
+def _controller(argv: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "ugro.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+
+
+def _drive(bed: Any, cluster: Path, job_file: Path, controller: str, fault: str) -> Timeline:
+    """Run the job through its two faults to its end; when each happened."""
+    tb = testbed_cluster
+    at = Timeline(loads=[os.getloadavg()[0]], started=time.time())
+    proc = _controller(
+        ["train", "--job", str(job_file), "--inventory", str(cluster), "--poll", "2", "--skip-preflight"]
+    )
+    at.job_id = job_id = _wait_step(bed, 12, proc)  # between the checkpoints of steps 10 and 15
+    at.loads.append(os.getloadavg()[0])
+    if controller != "follows":
+        _end_controller(proc, controller, 2.0)
+    at.killed = killed = time.time()
+    if fault == "rank":
+        tb.kill_ranks(bed.dir, "tb2")
+    else:
+        tb.kill_processes(bed.dir, "tb2", f"/opt/ugro/runs/{job_id}")
+    if controller != "follows":  # the survivors decide; then a controller takes the run up for the cut
+        while not any(r["time"] > killed for r in _rows(bed, job_id)):
+            if time.time() > killed + 120:  # the survivors never went on (or the run had ended before the kill)
+                raise SystemExit("no step on tb1 and tb3 within 120 s of tb2's kill, with no controller")
+            time.sleep(0.1)
+        proc = _controller(["follow", "--job-id", job_id])
+    _wait_step(bed, 25, proc)
+    while not any(r["time"] > killed and r["step"] >= 27 for r in _rows(bed, job_id)):
+        time.sleep(0.1)
+    # One fault at a time: tb2's rank back in the group and two steps done with it before tb1's cut.
+    while fault == "rank" and len([r for r in _rows(bed, job_id) if r["time"] > killed
+                                   and "tb2" in (r.get("ranks") or {}).get("host", [])]) < 2:  # fmt: skip
+        if time.time() > killed + 300:
+            raise SystemExit("tb2's rank did not come back within 300 s of its kill")
+        time.sleep(0.1)
+    at.loads.append(os.getloadavg()[0])
+    at.cut = time.time()
+    tb.set_link(bed.dir, "tb1", up=False)
+    at.output, _ = proc.communicate(timeout=900)
+    (runs_dir() / job_id / "controller.log").write_text(at.output)
+    at.loads.append(os.getloadavg()[0])
+    if proc.returncode != 0:
+        raise SystemExit(f"the job failed:\n{at.output[-4000:]}")
+    return at
+
+
+def _figures(bed: Any, at: Timeline, record: RunRecord, fault: str) -> list[Figure]:
+    """The launch's figure, then each fault's, with the restart the run recorded for it (found by the host its cause
+    names; a host taken back in is a record of its own)."""
+    first = min(r["time"] for r in _rows(bed, at.job_id)) - at.started
+    figures = [Figure("launch -> first optimizer step (normal start)", first, "goal <= 15 s")]
+    by_host = {r.cause.host: r for r in reversed(record.restarts) if r.decided_by != "rejoin"}
+    killed_what = "tb2's rank" if fault == "rank" else "tb2's job"
+    for what, moment, goal, host in [
+        (f"SIGKILL of {killed_what} -> next step on tb1 + tb3", at.killed, "goal <= 10 s, 0 redone", "tb2"),
+        ("tb1 (the main host) link cut -> next step on the hosts left", at.cut, "goal <= 20 s", "tb1"),
+    ]:
+        seconds = _first_step_after(bed, at.job_id, moment)
+        figures.append(Figure(what, seconds, goal, by_host.get(host), moment))
+    return figures
+
+
+def _print(figures: list[Figure], record: RunRecord, run_dir: Path, back: float | None, launch_cpu: float) -> None:
+    table = Table(title="recovery on the 3-host test cluster (this machine's load shows in every figure)")
+    for column in ("what", "seconds", "goal", "how", "detect", "stop / tell", "checkpoint", "launch",
+                   "to next step", "redone"):  # fmt: skip
+        table.add_column(column)
+    for figure in figures:
+        table.add_row(*figure.row())
+    console.print(table)
+    if back is not None:
+        console.print(f"tb2's rank SIGKILLed -> first step with tb2 back in: {back:.1f} s", highlight=False)
+    console.print(f"final hosts {record.hosts}, main host {record.main_host}; run {run_dir}", highlight=False)
+    console.print(f"the first launch's phases (s): {json.dumps(phases.recorded(run_dir))}", highlight=False)
+    console.print(f"CPU the machine spent from the launch to the first step (every process): {launch_cpu:.1f} s "
+                  f"on {psutil.cpu_count()} cores", highlight=False)  # fmt: skip
+
+
 @app.command()
 def main(
     exporters: bool = typer.Option(True, help="run the node exporters, which the controller's polls read"),
@@ -142,119 +283,41 @@ def main(
     directory = Path(tempfile.mkdtemp(prefix="ugro-bench-recovery-"))
     jobs = contextlib.ExitStack()
     bed = tb.up(directory, hosts=3, subnet=SUBNET)
-    try:
+    jobs.callback(tb.down, directory)  # the last to go, whatever else fails on the way out
+    with jobs:
         cluster = tb.one_rank_per_host(bed, directory / "cluster.yml")
         if exporters:
             jobs.callback(testbed_exporters.set_state, cluster, "stopped")
             testbed_exporters.set_state(cluster, "started")
         # Detached, the controller is waited out for three polls and 10 s before tb2's kill: the run must outlast it.
         train = {"max_steps": 400 if controller == "gone" else 40, "global_batch_size": 6, "log_every": 10}
-        job_file = jobs.enter_context(
-            tiny_job(
-                NAME,
-                train=train,
-                checkpoint={"every": 5, "keep_last": 3},
-                distributed={"timeout_s": 20, "rejoins": rejoins},
-            )
-        )
-        argv = [sys.executable, "-m", "ugro.cli", "train", "--job", str(job_file), "--inventory", str(cluster),
-                "--poll", "2", "--skip-preflight"]  # fmt: skip
-        loads = [os.getloadavg()[0]]
+        job = tiny_job(NAME, train=train, checkpoint={"every": 5, "keep_last": 3},
+                       distributed={"timeout_s": 20, "rejoins": rejoins})  # fmt: skip
+        job_file = jobs.enter_context(job)
+        jobs.callback(tb.set_link, bed.dir, "tb1", up=True)  # the first: the exporters' stop needs tb1's link
         clock = CpuClock()
-        started = time.time()
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)  # fmt: skip
-        job_id = _wait_step(bed, 12, proc)  # between the checkpoints of steps 10 and 15
-        loads.append(os.getloadavg()[0])
-        if controller != "follows":
-            _end_controller(proc, controller, 2.0)
-        killed = time.time()
-        if fault == "rank":
-            tb.kill_ranks(bed.dir, "tb2")
-        else:
-            tb.kill_processes(bed.dir, "tb2", f"/opt/ugro/runs/{job_id}")
-        if controller != "follows":  # the survivors decide; then a controller takes the run up for the cut
-            while not any(r["time"] > killed for r in _rows(bed, job_id)):
-                if time.time() > killed + 120:  # the survivors never went on (or the run had ended before the kill)
-                    raise SystemExit("no step on tb1 and tb3 within 120 s of tb2's kill, with no controller")
-                time.sleep(0.1)
-            proc = subprocess.Popen([sys.executable, "-m", "ugro.cli", "follow", "--job-id", job_id], cwd=REPO,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)  # fmt: skip
-        _wait_step(bed, 25, proc)
-        while not any(r["time"] > killed and r["step"] >= 27 for r in _rows(bed, job_id)):
-            time.sleep(0.1)
-        # One fault at a time: tb2's rank back in the group and two steps done with it before tb1's cut.
-        while fault == "rank" and len([r for r in _rows(bed, job_id) if r["time"] > killed
-                                       and "tb2" in (r.get("ranks") or {}).get("host", [])]) < 2:  # fmt: skip
-            if time.time() > killed + 300:
-                raise SystemExit("tb2's rank did not come back within 300 s of its kill")
-            time.sleep(0.1)
-        loads.append(os.getloadavg()[0])
-        cut = time.time()
-        tb.set_link(bed.dir, "tb1", up=False)
-        out, _ = proc.communicate(timeout=900)
-        (REPO / "runs" / job_id / "controller.log").write_text(out)  # what the (last) controller printed
-        loads.append(os.getloadavg()[0])
-        if proc.returncode != 0:
-            raise SystemExit(f"the job failed:\n{out[-4000:]}")
+        at = _drive(bed, cluster, job_file, controller, fault)
         clock.stop()
-        record = json.loads((REPO / "runs" / job_id / "run.json").read_text())
-        first = min(r["time"] for r in _rows(bed, job_id)) - started
-        launch_cpu = clock.busy(started, started + first)
-        figures = [("launch -> first optimizer step (normal start)", first, "goal <= 15 s", None)]
-        # Each fault's restart record, by the host it names (a host taken back in is a record of its own).
-        by_host = {r["cause"]["host"]: r for r in reversed(record["restarts"]) if r.get("decided_by") != "rejoin"}
-        killed_what = "tb2's rank" if fault == "rank" else "tb2's job"
-        for what, moment, goal, host in [
-            (f"SIGKILL of {killed_what} -> next step on tb1 + tb3", killed, "goal <= 10 s, 0 redone", "tb2"),
-            ("tb1 (the main host) link cut -> next step on the hosts left", cut, "goal <= 20 s", "tb1"),
-        ]:
-            restart = by_host.get(host)
-            figures.append((what, _first_step_after(bed, job_id, moment), goal,
-                            restart | {"fault": moment} if restart else None))  # fmt: skip
-        back = _back_in(bed, job_id, "tb2", killed) if fault == "rank" else None
-        table = Table(title="recovery on the 3-host test cluster (this machine's load shows in every figure)")
-        for column in ("what", "seconds", "goal", "how", "detect", "stop / tell", "checkpoint", "launch",
-                       "to next step", "redone"):  # fmt: skip
-            table.add_column(column)
-        for what, seconds, goal, restart in figures:
-            if restart is None:
-                table.add_row(what, f"{seconds:.1f}", goal, *[""] * 7)
-                continue
-            detect = restart["time"] - restart["fault"]
-            told = restart.get("membership_s") if restart["how"] == "regroup" else restart.get("stop_s")
-            spent = [detect, told or 0.0, restart.get("place_checkpoint_s") or 0.0, restart.get("launch_s") or 0.0]
-            table.add_row(what, f"{seconds:.1f}", goal, restart["how"], *(f"{x:.1f}" for x in spent),
-                          f"{seconds - sum(spent):.1f}", str(restart.get("steps_redone")))  # fmt: skip
-        console.print(table)
-        if back is not None:
-            console.print(f"tb2's rank SIGKILLed -> first step with tb2 back in: {back:.1f} s", highlight=False)
-        console.print(f"final hosts {record['hosts']}, rendezvous {record['rendezvous']}; run {REPO / 'runs' / job_id}")
-        console.print(f"the first launch's phases (s): {json.dumps(record.get('launch_phases'))}", highlight=False)
-        console.print(f"CPU the machine spent from the launch to the first step (every process): {launch_cpu:.1f} s "
-                      f"on {psutil.cpu_count()} cores", highlight=False)  # fmt: skip
-        kill, cut_restart = figures[1], figures[2]
-        result = {
-            "launch_to_first_step_s": round(first, 1),
-            "launch_cpu_s": round(launch_cpu, 1),
-            "kill_to_next_step_s": round(kill[1], 1),
-            "kill_steps_redone": kill[3]["steps_redone"] if kill[3] else None,
-            "rendezvous_cut_to_next_step_s": round(cut_restart[1], 1),
-            "cut_steps_redone": cut_restart[3]["steps_redone"] if cut_restart[3] else None,
-            "load": round(sum(loads) / len(loads), 2),
-            "polls": "exporters" if exporters else "ansible",
-            "controller": controller,
-            "kill_decided_by": kill[3].get("decided_by") if kill[3] else None,
-            "fault": fault,
-            "kill_to_back_in_s": round(back, 1) if back is not None else None,
-            "rejoins": rejoins,
-        }
-        print(json.dumps(result), flush=True)
-    finally:
-        tb.set_link(bed.dir, "tb1", up=True)
-        jobs.close()
-        tb.down(directory)
+        run_dir = runs_dir() / at.job_id
+        record = RunRecord.read(run_dir)
+        if record is None:
+            raise SystemExit(f"{run_dir}: the run left no record (run.json)")
+        figures = _figures(bed, at, record, fault)
+        launch_cpu = clock.busy(at.started, at.started + figures[0].seconds)
+        back = _back_in(bed, at.job_id, "tb2", at.killed) if fault == "rank" else None
+        _print(figures, record, run_dir, back, launch_cpu)
+        kill, cut = figures[1], figures[2]
+        result = Result(
+            launch_to_first_step_s=round(figures[0].seconds, 1), launch_cpu_s=round(launch_cpu, 1),
+            kill_to_next_step_s=round(kill.seconds, 1),
+            kill_steps_redone=kill.restart.steps_redone if kill.restart else None,
+            rendezvous_cut_to_next_step_s=round(cut.seconds, 1),
+            cut_steps_redone=cut.restart.steps_redone if cut.restart else None,
+            load=round(sum(at.loads) / len(at.loads), 2), polls="exporters" if exporters else "ansible",
+            controller=controller, kill_decided_by=kill.restart.decided_by if kill.restart else None, fault=fault,
+            kill_to_back_in_s=round(back, 1) if back is not None else None, rejoins=rejoins,
+        )  # fmt: skip
+        print(json.dumps(asdict(result)), flush=True)
 
 
 if __name__ == "__main__":

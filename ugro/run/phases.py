@@ -4,8 +4,10 @@ load, the first step), as the main rank recorded them (run.json ``phases``)."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -54,3 +56,16 @@ def line(seconds: dict[str, float]) -> str:
     parts = [f"{k} {v:.1f} s" for k, v in seconds.items() if not k.startswith("total")]
     total = next((v for k, v in seconds.items() if k.startswith("total")), None)
     return ", ".join(parts) + (f" = {total:.1f} s" if total is not None else "")
+
+
+def recorded(run_dir: Path) -> dict[str, float] | None:
+    """The first launch's phases as `ugro train` recorded them in the run's run.json (``launch_phases``: what
+    ``Phases.seconds`` gave), or None where there are none (a run that is not over, or not launched by it)."""
+    try:
+        data = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
+    found = data.get("launch_phases") if isinstance(data, dict) else None
+    if not isinstance(found, dict):
+        return None
+    return {str(k): float(v) for k, v in found.items() if isinstance(v, int | float)}
