@@ -99,7 +99,7 @@ def _checksum(tensors: Iterable[torch.Tensor]) -> str:
 def rank(hidden: int = 1024, layers: int = 8, vocab: int = 32000) -> None:
     """Runs on every host under torchrun; rank 0 prints the figures as JSON."""
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
-    info = distributed.init(timeout_s=300)
+    info, _ = distributed.init(timeout_s=300)
     model = _model(hidden, layers, vocab)
     everything = [*model.parameters(), *model.buffers()]
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from train.balance.step import StepClock, backward
 from train.dist.distributed import _HookState, _timed_allreduce
+from train.dist.health import GroupHealth
 
 
 class Stack(nn.Module):
@@ -56,7 +57,7 @@ def run(mode: str, args: argparse.Namespace, device: torch.device) -> list[dict[
     clock = StepClock.for_device(device)
     if mode == "ddp":
         model = DistributedDataParallel(model, device_ids=[device.index])
-        model.register_comm_hook(_HookState(clock, compress=False), _timed_allreduce)
+        model.register_comm_hook(_HookState(clock, compress=False, health=GroupHealth()), _timed_allreduce)
     shape = (args.batch, args.seq)
     micro_batches = []
     for _ in range(args.micro_batches):

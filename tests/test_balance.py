@@ -56,7 +56,7 @@ def _guard_rank(rank: int, port: int, out: str) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
         UGRO_HOST=["master", "node3070"][rank],
     )  # fmt: skip
-    info = distributed.init(timeout_s=60)
+    info, _ = distributed.init(timeout_s=60)
     job = JobConfig.model_validate(small_job(lora={"r": 16 if rank == 0 else 8}, data={"seq_len": 128 + 64 * rank}))
     try:
         distributed.check_same_job(job, info)

@@ -19,9 +19,10 @@ import pytest
 import torch.distributed as dist
 from helpers import closed_port, unanswering_port
 
-from train.recovery import consensus, regroup
+from train.dist.health import GroupHealth
+from train.recovery import consensus, watch
 from train.recovery.consensus import View
-from train.recovery.regroup import Membership
+from train.recovery.group import Group
 from ugro.module_utils import ugro_exporter, ugro_jobstate
 
 
@@ -60,24 +61,36 @@ def test_probe_tells_a_host_whose_job_is_gone_from_one_that_does_not_answer() ->
 def test_the_survivors_go_on_only_as_a_majority_and_keep_the_main_host_where_they_can(
     hosts: tuple[str, ...], main: str, down: set[str], silent: set[str], expected: tuple[tuple[str, ...], str] | None
 ) -> None:
-    proposal = consensus.propose(hosts, main, View(frozenset(down), frozenset(silent)), generation=2)
+    proposal = consensus.propose(_group(hosts, main, 2), View(frozenset(down), frozenset(silent)))
     if expected is None:
         assert proposal is None
     else:
-        assert proposal == Membership(3, *expected)
+        assert proposal is not None and (proposal.generation, proposal.members, proposal.main) == (3, *expected)
+
+
+def _group(hosts: tuple[str, ...], main: str, generation: int = 0, attempt: int = 0) -> Group:
+    """A group of one rank per host, each host's store at a made-up address."""
+    stores = tuple((h, f"10.0.0.{i + 1}:4000") for i, h in enumerate(hosts))
+    return Group(attempt, generation, hosts, main, stores, "ab" * 32)
+
+
+def _next(hosts: tuple[str, ...], main: str, generation: int) -> Group:
+    return _group(("h1", "h2", "h3", "h4"), "h1").survivors(generation, hosts, main)
 
 
 def test_every_rank_takes_the_first_proposal_that_reached_the_new_main_hosts_store() -> None:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
-    first = Membership(1, ("h1", "h3", "h4"), "h1")
-    late = Membership(1, ("h1", "h3"), "h1")  # a rank whose probe missed h4 for a moment
-    hosts, key = ("h1", "h2", "h3", "h4"), bytes(range(32))
-    assert consensus.agree(first, client, 0, hosts, key) == first
-    assert consensus.agree(late, server, 0, hosts, key) == first
+    first = _next(("h1", "h3", "h4"), "h1", 1)
+    late = _next(("h1", "h3"), "h1", 1)  # a rank whose probe missed h4 for a moment
+    current, key = _group(("h1", "h2", "h3", "h4"), "h1"), bytes(range(32))
+    assert consensus.agree(first, client, current, key) == first
+    assert consensus.agree(late, server, current, key) == first
     # The next generation, and another launch, are agreed anew.
-    assert consensus.agree(late, client, 1, hosts, key) == late
-    assert consensus.agree(Membership(2, ("h1",), "h1"), server, 0, hosts, key) == Membership(2, ("h1",), "h1")
+    relaunched = _group(("h1", "h2", "h3", "h4"), "h1", attempt=1)
+    assert consensus.agree(late, client, relaunched, key) == relaunched.survivors(1, ("h1", "h3"), "h1")
+    alone = _next(("h1",), "h1", 2)
+    assert consensus.agree(alone, server, current, key) == alone
 
 
 @pytest.mark.parametrize(
@@ -98,13 +111,13 @@ def test_a_membership_planted_in_the_store_before_the_survivors_is_refused_and_t
     the first value): the survivors refuse what none of them could have proposed, say so, and agree on the next key."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
-    hosts = ("h1", "h2", "h3")
+    current = _group(("h1", "h2", "h3"), "h1")
     server.set("ugro-membership-0-1", planted)
-    mine, theirs = Membership(1, ("h1", "h3"), "h1"), Membership(1, ("h1",), "h1")
+    mine, theirs = current.survivors(1, ("h1", "h3"), "h1"), current.survivors(1, ("h1",), "h1")
     key = bytes(range(32))
     with caplog.at_level("WARNING"):
-        assert consensus.agree(mine, client, 0, hosts, key) == mine
-        assert consensus.agree(theirs, server, 0, hosts, key) == mine  # the same key skipped, the same one taken
+        assert consensus.agree(mine, client, current, key) == mine
+        assert consensus.agree(theirs, server, current, key) == mine  # the same key skipped, the same one taken
     assert "refused the membership under ugro-membership-0-1" in caplog.text, caplog.text
 
 
@@ -147,25 +160,25 @@ def test_a_host_knows_whether_a_controller_follows_the_run_from_its_polls(tmp_pa
 def test_under_a_batch_scheduler_the_survivors_never_decide_themselves(monkeypatch: pytest.MonkeyPatch) -> None:
     """scancel ends every rank at nearly the same moment; the last one must not take the run over
     (tests/test_slurm.py's scancel, then a resume, checks the run's records stay whole)."""
-    for variable in regroup.SCHEDULERS:
+    for variable in watch.SCHEDULERS:
         monkeypatch.delenv(variable, raising=False)
-    assert regroup.scheduler() is None
+    assert watch.scheduler() is None
     monkeypatch.setenv("SLURM_JOB_ID", "42")
-    assert regroup.scheduler() == "SLURM"
+    assert watch.scheduler() == "SLURM"
 
 
 def test_a_peer_whose_job_is_gone_breaks_the_group_at_once(tmp_path: Path) -> None:
     """No collective waits out its timeout for a peer the heartbeat found gone (a cut link sends no reset)."""
     (tmp_path / "hosts" / "h1").mkdir(parents=True)
-    watch = regroup.Watcher(tmp_path, "h1")
-    beat = regroup.Heartbeat(tmp_path, "h1", {"h2": f"127.0.0.1:{closed_port()}"}, watch)
+    health = GroupHealth()
+    beat = watch.Heartbeat(tmp_path, "h1", {"h2": f"127.0.0.1:{closed_port()}"}, health)
     try:
         deadline = time.monotonic() + 5
-        while watch.broken is None and time.monotonic() < deadline:
+        while health.broken is None and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         beat.stop()
-    assert watch.broken == "cannot reach the regroup store of h2"
+    assert health.broken == "cannot reach the regroup store of h2"
 
 
 def test_a_controller_that_comes_back_records_the_regroups_the_survivors_agreed_on() -> None:

@@ -13,6 +13,7 @@ import torch
 
 from train.config import ConfigError
 from train.dist import distributed
+from train.dist.health import GroupHealth
 
 WORLD = 2
 
@@ -41,7 +42,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         UGRO_HOST=f"host{rank}",
     )  # fmt: skip
     torch.set_num_threads(1)
-    info = distributed.init(timeout_s=60)
+    info, _ = distributed.init(timeout_s=60)
     model = _Adapted(rank)
     ddp = distributed.wrap(model, info)
     started = {"adapter": model.adapter.weight.detach().clone(), "base": model.base.weight.detach().clone()}
@@ -49,14 +50,16 @@ def _rank(rank: int, port: int, out: str) -> None:
     ddp(torch.full((2, 4), float(rank + 1))).sum().backward()  # a different batch on every rank
     assert model.adapter.weight.grad is not None
     started["grad"] = model.adapter.weight.grad.detach().clone()
-    distributed.check_gradients_agree([model.adapter.weight], info, "hf")  # all-reduced: they agree, no error
+    distributed.check_gradients_agree(
+        [model.adapter.weight], info, "hf", GroupHealth()
+    )  # all-reduced: they agree, no error
 
     # A library that turns DDP's synchronization off (as unsloth once did): each rank keeps its own gradient.
     model.adapter.weight.grad = None
     ddp.require_backward_grad_sync = False
     ddp(torch.full((2, 4), float(rank + 1))).sum().backward()
     try:
-        distributed.check_gradients_agree([model.adapter.weight], info, "unsloth")
+        distributed.check_gradients_agree([model.adapter.weight], info, "unsloth", GroupHealth())
         started["unsynchronized"] = "no error"  # type: ignore[assignment]
     except ConfigError as exc:
         started["unsynchronized"] = str(exc)  # type: ignore[assignment]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from helpers import REPO
 
 from train.dist import comm, devicecheck, distributed
-from train.recovery import regroup
+from train.dist.health import GroupHealth
 
 
 def _refused(call: Callable[[], object]) -> str:
@@ -26,7 +26,7 @@ def _refused(call: Callable[[], object]) -> str:
 
 def _rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0")
-    info = distributed.init(timeout_s=60)
+    info, _ = distributed.init(timeout_s=60)
     assert devicecheck.installed() and info.device == devicecheck.RANK_DEVICE
     device = info.device
     made_on_host = _refused(lambda: dist.all_reduce(torch.tensor([1.0])))
@@ -48,7 +48,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     dist.all_reduce(moved)
     linear = torch.nn.Linear(3, 2).to(device)
     dist.broadcast(linear(torch.ones(1, 3).to(device)).detach(), src=0)
-    gathered = regroup.gather_objects({"rank": rank}, comm.control_group())  # CPU tensors on gloo: right
+    gathered = GroupHealth().gather_objects({"rank": rank}, comm.control_group())  # CPU tensors on gloo: right
     assert float(total) == 1.0 and float(moved) == 4.0 and [g["rank"] for g in gathered] == [0, 1]
     if rank == 0:
         Path(out).write_text("\n".join(refusals))

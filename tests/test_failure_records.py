@@ -90,7 +90,8 @@ def test_a_stopped_run_records_stopped_on_every_rank(tmp_path: Path, torchrun_cm
 WAITS_FOR_A_PEER = """
 import datetime, os, sys, time
 import torch, torch.distributed as dist
-from train.recovery import failure, regroup
+from train.dist.health import GroupHealth
+from train.recovery import failure
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=120))
@@ -99,7 +100,7 @@ if rank == 1:
     time.sleep(120)  # never joins the collective, as a peer that a stop already ended
 print("waiting", flush=True)
 try:
-    regroup.wait(dist.all_reduce(torch.zeros(1), async_op=True))
+    GroupHealth().wait(dist.all_reduce(torch.zeros(1), async_op=True))
 except failure.Stopped as exc:
     print(f"stopped: {exc}", flush=True)
     os._exit(0)  # the pending collective would hold the process group's shutdown
@@ -297,7 +298,7 @@ import os, signal, sys, time
 from pathlib import Path
 import torch
 from train.recovery import failure
-failure.stop_on_signals()
+signals = failure.stop_on_signals()
 
 def landed(_):  # as DDP's communication hook waits on its work, in the thread that completed the future
     os.kill(os.getpid(), signal.SIGTERM)
@@ -310,7 +311,7 @@ try:
     chained.wait()
 except (Exception, failure.Stopped) as exc:
     print(type(exc).__name__, flush=True)
-    failure.record(Path(sys.argv[1]), exc, "vm", 0, 3)
+    failure.record(Path(sys.argv[1]), exc, "vm", 0, 3, signals)
 """
 
 

@@ -1,4 +1,4 @@
-"""A host's first rank tells the controller which peers it cannot reach (train/recovery/regroup.py Heartbeat), so that a
+"""A host's first rank tells the controller which peers it cannot reach (train/recovery/watch.py Heartbeat), so that a
 host whose link is cut counts as gone after one silent status poll instead of two.
 
 Real sockets on loopback: a peer's regroup store (a real TCPStore) answers; so does a host whose port is closed (it
@@ -12,12 +12,12 @@ import json
 import socket
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch.distributed as dist
 from helpers import closed_port, unanswering_port
 
-from train.recovery import regroup
+from train.recovery import watch
+from train.recovery.group import Group
 from ugro.module_utils import ugro_jobstate
 
 
@@ -44,14 +44,15 @@ def test_a_peer_that_does_not_answer_is_reported_and_one_that_answers_or_refuses
         "h3": f"127.0.0.1:{closed_port()}",  # up, its rank killed
         "h4": f"127.0.0.1:{unanswering_port(held)}",  # cut off
     }
-    beat = regroup.Heartbeat(tmp_path, "h1", peers)
+    beat = watch.Heartbeat(tmp_path, "h1", peers)
     try:
-        path = tmp_path / "hosts" / "h1" / regroup.PEERS
+        path = tmp_path / "hosts" / "h1" / watch.PEERS
         assert _silent(path, ["h4"], within_s=5) == ["h4"]
-        time.sleep(3 * regroup.HEARTBEAT_S)  # and it stays so: h3 refuses at every round
+        time.sleep(3 * watch.HEARTBEAT_S)  # and it stays so: h3 refuses at every round
         assert ugro_jobstate.silent_peers(tmp_path, "h1") == ["h4"]  # what the controller's status poll reads
         # After a regroup without h4 it is no peer any more.
-        beat.follow(SimpleNamespace(host="h1", stores=tuple((h, e) for h, e in peers.items() if h != "h4")))
+        stores = tuple((h, e) for h, e in peers.items() if h != "h4")
+        beat.follow(Group(0, 1, tuple(h for h, _ in stores), "h2", stores, "ab" * 32))
         assert _silent(path, [], within_s=5) == []
     finally:
         beat.stop()

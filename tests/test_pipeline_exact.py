@@ -57,7 +57,7 @@ def _rank(rank: int, port: int, groups: list[list[int]], out: str, scratch: str)
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0"
     )
     torch.set_num_threads(1)
-    info = distributed.init(timeout_s=120)
+    info, _ = distributed.init(timeout_s=120)
     layout = topology.fixed(LAYERS, [f"h{r}" for r in range(world)], groups)
     where, stage = layout.where(rank), layout.stage(rank)
     if where.stages == 1:

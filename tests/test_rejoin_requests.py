@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import torch.distributed as dist
 
-from train.dist.distributed import RankInfo
-from train.recovery import door, jobkey, rejoin
+from train.recovery import door, jobkey
+from train.recovery.group import Group
 
 JOB_HASH = "ab" * 32
 KEY = bytes(range(32))  # the run's key, as every host of the launch holds it
@@ -22,9 +21,7 @@ KEY = bytes(range(32))  # the run's key, as every host of the launch holds it
 @pytest.fixture()
 def store() -> dist.Store:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
-    door.keep(server, 0)
-    yield server
-    door.keep(None, 0)
+    return server
 
 
 def _ask(store: dist.Store, request: object, key: bytes | None = None) -> int:
@@ -53,14 +50,15 @@ CRAFTED = [
 def test_crafted_requests_are_refused_and_a_members_request_behind_them_is_taken_in(
     store: dist.Store, caplog: pytest.LogCaptureFixture
 ) -> None:
-    info = RankInfo(0, 0, 2, "h1", torch.device("cpu"), 0, ("h1", "h2"), 0, (("h1", "10.0.0.1:4000"),
-                                                                           ("h2", "10.0.0.2:4000")))  # fmt: skip
+    group = Group(0, 0, ("h1", "h2"), "h1", (("h1", "10.0.0.1:4000"), ("h2", "10.0.0.2:4000")), JOB_HASH)
+    main_door = door.Door()
+    main_door.keep(store, 0)
     crafted = [_ask(store, request) for request in CRAFTED]
     member = _ask(store, {"host": "h3", "ranks": 2, "store": "10.0.0.3:4000", "job_hash": JOB_HASH}, KEY)
     with caplog.at_level("WARNING"):
-        group = rejoin._plan(info, 0, JOB_HASH, KEY)
-    assert group is not None and group.hosts == ("h1", "h2", "h3", "h3")
-    assert dict(group.stores)["h3"] == "10.0.0.3:4000"
+        grown = main_door.propose(group, KEY)
+    assert grown is not None and grown.hosts == ("h1", "h2", "h3", "h3")
+    assert dict(grown.stores)["h3"] == "10.0.0.3:4000"
     for index in crafted:
         answer = json.loads(store.get(door.answer_key(0, index)))
         assert set(answer) == {"refused"}, answer

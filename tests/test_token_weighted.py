@@ -67,7 +67,7 @@ def _rank(rank: int, port: int, out: str, compress: str) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0"
     )
     torch.set_num_threads(1)
-    info = distributed.init(timeout_s=120)
+    info, _ = distributed.init(timeout_s=120)
     model = _model(info.device)  # as a rank loads it: on its device (the checker's, on CPU)
     after = _step(distributed.wrap(model, info, compress=compress), _batches()[rank], info.device)
     if rank == 0:

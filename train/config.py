@@ -249,7 +249,7 @@ class DistributedConfig(_Strict):
         ge=0,
         description="When a host is lost, how long the surviving ranks try to learn who is left (from the controller "
         "that follows the run, or, where none does, by agreeing among themselves: train/recovery/consensus.py) "
-        "and then go on in their own processes, nothing redone (train/recovery/regroup.py); after that they fail "
+        "and then go on in their own processes, nothing redone (train/recovery/membership.py); after that they fail "
         "and a controller relaunches from a checkpoint. 0: never regroup, always relaunch.",
     )
     rejoins: int = Field(

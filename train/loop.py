@@ -34,8 +34,9 @@ from train.metrics import (
     write_samples,
     write_status,
 )
-from train.recovery import checkpoint, door, preempt, regroup, rejoin, survivors
+from train.recovery import checkpoint, rejoin
 from train.recovery.failure import NonFiniteError
+from train.recovery.membership import Change, Membership, weights_digest
 from train.schedule import warmup_cosine
 
 log = logging.getLogger(__name__)
@@ -43,36 +44,41 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Progress:
-    """The optimizer steps done so far, for the failure record of a rank that stops mid-run; after a regroup, what
-    the rank's status file says of it (train/recovery/survivors.py), with the digest of its weights at the first step in
-    the new group (every survivor's must be the same)."""
+    """The optimizer steps done so far, for the failure record of a rank that stops mid-run; after a change of group,
+    what the rank's status file says of it (train/recovery/membership.py), with the digest of its weights at the first
+    step in the new group (every member's must be the same)."""
 
     step: int | None = None
     weights_due: bool = False
     regrouped: dict[str, Any] | None = None  # the last regroup, with the weights' digest once a step ran after it
 
 
-def run(job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, resume: bool, progress: Progress) -> None:
-    """Train (under `make bench`, the job's benchmark section makes this rank emulate a slower device)."""
-    rank = Rank.set_up(job, info, run_dir, code_dir, progress)
+def run(job: JobConfig, run_dir: Path, code_dir: Path, resume: bool, progress: Progress,
+        membership: Membership) -> None:  # fmt: skip
+    """Train (under `make bench`, the job's benchmark section makes this rank emulate a slower device). Between two
+    steps is the one point where the group may change (train/recovery/membership.py): hosts taken back in after a
+    step, or the survivors of a lost host where a step broke off."""
+    rank = Rank.set_up(job, run_dir, code_dir, progress, membership)
     joining = rejoin.requested()  # this host's ranks crashed and were started again: they take the group's state
     rank.resume(resume and not joining)
     if joining:  # into the running group: its step, weights and optimizer state (train/recovery/rejoin.py)
-        rank.join()
+        rank.change_group(membership.come_back(rank.trainer.in_place))
     rank.open_records()
     if rank.start == 0 and not joining:
         rank.held_out_loss(0, adapter=False)
     rank.trainer.train()
-    rank.watch_peers(publish=not joining)
+    rank.describe()
+    membership.watch(publish=not joining and rank.trainer.in_place)
     progress.step = rank.start
     while progress.step < job.train.max_steps:
+        change: Change | None
         try:
             rank.step(progress.step)
-            rank.take_in_hosts_that_came_back()
+            change = membership.after_step(rank.balancer.clock.proposed)
         except Exception as exc:
-            if rank.watch is None or not regroup.broken(exc):
-                raise
-            rank.go_on_without_lost_hosts(exc)
+            change = membership.after_loss(exc, progress.step, rank.trainer.in_place)
+        if change is not None:
+            rank.change_group(change)
     rank.finish()
 
 
@@ -85,6 +91,7 @@ class Rank:
     run_dir: Path
     code_dir: Path
     progress: Progress
+    membership: Membership  # the group this rank is in, and what lives with it (train/recovery/membership.py)
     layout: Layout  # train/layout/placement.py: data parallel, or pipeline stages
     trainer: engine.Engine  # train/layout/engine.py: a whole replica, or this rank's stage
     trainable: list[torch.nn.Parameter]  # what the optimizer updates
@@ -97,7 +104,6 @@ class Rank:
     start: int = 0
     writer: MetricsWriter | None = None  # the run's records, on the main rank
     shadow: MetricsWriter | None = None  # the same rows on every other host, should it take the records over
-    watch: regroup.Watcher | None = None
     part: str = ""  # what this rank computes, for `make status`
     device: str = ""  # and on what, for the model card
     balancer: Balancer = field(init=False)  # train/balance/batchplan.py, once the trainer has started
@@ -107,13 +113,13 @@ class Rank:
         self.sampler = GlobalBatchSampler(len(self.blocks), self.job.train.global_batch_size, self.job.train.seed)
 
     @classmethod
-    def set_up(cls, job: JobConfig, info: RankInfo, run_dir: Path, code_dir: Path, progress: Progress) -> Rank:
+    def set_up(cls, job: JobConfig, run_dir: Path, code_dir: Path, progress: Progress, membership: Membership) -> Rank:
         """The model (or this rank's stage of it), the data, the held-out set and the optimizer, on every rank."""
+        info = membership.info
         torch.manual_seed(job.train.seed)
-        preempt.install()  # a batch scheduler's warning before its time limit (train/recovery/preempt.py); LAN: nothing
         layout = placement.decide(job, info, code_dir)  # data parallel, or pipeline stages when the model needs them
         job = placement.sized(job, layout, info.rank)  # a smaller micro-batch where only that fits the whole model
-        trainer = engine.build(job, info, code_dir, layout, run_dir)
+        trainer = engine.build(job, info, code_dir, layout, run_dir, membership.health)
         blocks = prepare(job.data, trainer.tokenizer, code_dir, job.train.seed)
         job = job.for_rows(len(blocks))  # train.epochs: the run's length in steps, from the rows every rank built
         held_out = evaluate.load(job, trainer.tokenizer, code_dir)
@@ -127,8 +133,8 @@ class Rank:
         )
         scheduler = warmup_cosine(optimizer, job.schedule.warmup_steps, job.train.max_steps, job.schedule.min_lr_ratio)
         torch.manual_seed(job.train.seed + 7919 * (info.rank + 1))  # LoRA dropout differs per rank
-        return cls(job, info, run_dir, code_dir, progress, layout, trainer, trainable, blocks, held_out, data,
-                   optimizer, scheduler, phases)  # fmt: skip
+        return cls(job, info, run_dir, code_dir, progress, membership, layout, trainer, trainable, blocks, held_out,
+                   data, optimizer, scheduler, phases)  # fmt: skip
 
     def resume(self, from_checkpoint: bool) -> None:
         """From the last intact checkpoint when ``from_checkpoint``; then the trainer starts (its DDP wrap or its
@@ -151,17 +157,9 @@ class Rank:
                  self.trainer.backend, info.device, torch.get_num_threads(), len(self.blocks), job.data.seq_len,
                  sum(p.numel() for p in self.trainable), job.micro_batch_cap, how)  # fmt: skip
 
-    def join(self) -> None:
-        """This host's ranks came back: they take the running group's step, weights and optimizer state."""
-        self.info, self.progress.regrouped = survivors.come_back(
-            self.info, self.trainer, self.optimizer, self.scheduler, self.run_dir, self.job
-        )
-        self.start, self.progress.weights_due = self.progress.regrouped["from_step"], True
-        self.balancer, self.layout = self.trainer.balancer, self.trainer.layout
-
     def open_records(self) -> None:
-        """The main rank's records; on every other host's first rank, the same rows kept aside (a regroup after
-        the main host is lost makes that host keep the run's records: train/recovery/survivors.py)."""
+        """The main rank's records; on every other host's first rank, the same rows kept aside (a change of group
+        after the main host is lost makes that host keep the run's records: ``change_group``)."""
         info = self.info
         if info.is_main:
             self.writer = self.keep_records(self.start)
@@ -201,17 +199,10 @@ class Rank:
                      "fine-tuned" if adapter else "base model")  # fmt: skip
             write_status(self.run_dir, **{"eval_loss_after" if adapter else "eval_loss_before": round(value, 6)})
 
-    def watch_peers(self, publish: bool) -> None:
-        """Ranks on several hosts go on without a lost host, in their own processes (train/recovery/regroup.py)."""
-        info = self.info
-        self.part = self.layout.describe_rank(info.rank)
-        self.device = engine.device_name(info.device)
-        if len(set(info.hosts)) < 2:
-            return
-        peers = {h: e for h, e in info.stores if h != info.host} if info.local_rank == 0 else None
-        self.watch = regroup.start(self.run_dir, info.host, peers)
-        if publish and self.trainer.in_place:  # a host whose ranks crash may come back
-            rejoin.publish(self.run_dir, info, self.watch.generation, self.job.cluster_hash())
+    def describe(self) -> None:
+        """What this rank computes, and on what (for `make status` and the model card)."""
+        self.part = self.layout.describe_rank(self.info.rank)
+        self.device = engine.device_name(self.info.device)
 
     def step(self, step: int) -> None:
         """Step ``step`` + 1 on every rank: forward, backward, the all-reduce, the update; then its records, the
@@ -219,6 +210,7 @@ class Rank:
         indices = self.sampler.micro_batches(
             step, self.trainer.batch_rank, self.balancer.plan.shares, self.balancer.micro_sizes()
         )
+        self.balancer.clock.proposing = self.membership.door.waiting()  # hosts asking to rejoin: after this step
         loss, tokens = self.trainer.step([self.blocks.batch(ix, self.info.device) for ix in indices])
         shares = self.trainer.rank_shares()  # the split this step ran with
         new_plan = self.balancer.after_step(warming_up=step < self.start + 2)
@@ -232,11 +224,11 @@ class Rank:
         job = self.job
         if job.eval is not None and (done % job.eval.every == 0 or done == job.train.max_steps):
             self.held_out_loss(done)
-        stop = preempt.requested()  # collective when installed: every rank stops after this step
+        stop = self.membership.preemption.requested()  # collective when installed: every rank stops after this step
         if done % job.checkpoint.every == 0 or done == job.train.max_steps or stop:
             self.save_checkpoint(done)
         if stop and done < job.train.max_steps:
-            raise preempt.stop(self.run_dir, self.info.is_main, done)
+            raise self.membership.preemption.stop(self.run_dir, self.info.is_main, done)
 
     def update(self, step: int, loss: float) -> tuple[float, float]:
         """Clip and apply the update; a non-finite loss or gradient stops the run before it is applied."""
@@ -258,7 +250,7 @@ class Rank:
         info, progress, clock = self.info, self.progress, self.balancer.clock
         figures = rank_figures(info.hosts, shares, clock.gathered, clock.gathered_tokens)
         if progress.weights_due and progress.regrouped is not None:  # the survivors' weights, to compare
-            progress.regrouped["weights"] = {"step": done, "sha256": survivors.weights_digest(self.trainable)}
+            progress.regrouped["weights"] = {"step": done, "sha256": weights_digest(self.trainable)}
             progress.weights_due = False
         total = self.job.train.max_steps
         write_rank_status(self.run_dir, info.host, info.rank, done, total, loss, figures, self.part, self.device,
@@ -284,27 +276,19 @@ class Rank:
             log.info("checkpoint %s written and verified", saved)
             write_status(self.run_dir, step=done, last_checkpoint=str(saved))
 
-    def take_in_hosts_that_came_back(self) -> None:
-        """Hosts whose ranks came back (train/recovery/rejoin.py): the group takes them in between two steps."""
-        if self.watch is None or not door.due():
-            return
-        step = int(self.progress.step or 0)
-        taken = survivors.take_in(self.info, self.watch, self.trainer, self.optimizer, self.scheduler, step,
-                                  self.run_dir, self.job)  # fmt: skip
-        if taken is not None:
-            self.info, self.progress.regrouped = taken
-            self.progress.weights_due, self.balancer = True, self.trainer.balancer
-
-    def go_on_without_lost_hosts(self, exc: Exception) -> None:
-        """A host was lost mid-step: the survivors regroup and go on from the last step they all finished."""
+    def change_group(self, change: Change) -> None:
+        """Go on in the next group (train/recovery/membership.py ``enter``): from the step it agreed, with the weights,
+        optimizer state and shares it gave; where the main host was the one lost, this host keeps the run's records
+        from now on."""
         progress = self.progress
-        done = int(progress.step or 0)
-        assert self.watch is not None  # run() regroups only ranks that watch their peers
-        self.info, progress.regrouped = survivors.go_on(exc, self.watch, self.info, self.trainer, self.optimizer,
-                                                        self.scheduler, done, self.run_dir, self.job)  # fmt: skip
-        progress.step, progress.weights_due = progress.regrouped["from_step"], True
-        self.balancer = self.trainer.balancer
-        if self.info.is_main and self.writer is None:  # the main host was the one lost: this host keeps the run now
+        done = -1 if progress.step is None else progress.step  # -1: this host's ranks have just come back
+        progress.regrouped = self.membership.enter(change, self, done)
+        self.info = self.membership.info
+        progress.step = progress.regrouped["from_step"]
+        if done < 0:
+            self.start = progress.step
+        progress.weights_due, self.balancer, self.layout = True, self.trainer.balancer, self.trainer.layout
+        if self.info.is_main and self.writer is None and done >= 0:
             if self.shadow is not None:
                 self.shadow.close()
                 take_over(self.shadow_dir, self.run_dir)
@@ -315,9 +299,7 @@ class Rank:
         """The adapter, the answers before and after, the loss picture and the finished state; then every rank
         waits for the main one to have written them."""
         job, run_dir, held_out = self.job, self.run_dir, self.held_out
-        beat = regroup.heartbeat()
-        if beat is not None:  # the peers end their processes from now on: that breaks no group
-            beat.stop()
+        self.membership.finish()  # the peers end their processes from now on: that breaks no group
         self.trainer.save_adapter(run_dir / "adapter")  # with stages: every stage's LoRA weights on the main rank
         asked = held_out.records[: job.eval.samples] if held_out is not None and job.eval is not None else []
         answered = self.trainer.answers(asked) if asked else None  # through the stages with a pipeline
@@ -338,8 +320,7 @@ class Rank:
             log.info("finished: adapter in %s", run_dir / "adapter")
         log.info("peak memory of this rank: %.2f GiB (%s)", engine.peak_gib(self.info.device), self.part)
         distributed.wait_for_all("the main rank has written the results", job.distributed.startup_timeout_s)
-        if self.watch is not None:
-            self.watch.settle(job.distributed.timeout_s)  # collectives a regroup abandoned end before the process does
+        self.membership.settle()  # collectives a change of group abandoned end before the process does
 
 
 def _data_facts(job: JobConfig, code_dir: Path, blocks: Blocks, held_out: evaluate.HeldOut | None) -> dict[str, Any]:

@@ -22,9 +22,11 @@ import psutil
 from train import loop
 from train.config import ConfigError, DistributedConfig, JobConfig, apply_profile, load_job, load_profile
 from train.dist import distributed
+from train.dist.health import GroupHealth
 from train.metrics import write_status
 from train.model import load as model
 from train.recovery import failure, rejoin
+from train.recovery.membership import Membership
 
 log = logging.getLogger("train")
 
@@ -105,7 +107,7 @@ EXIT_CODES = {"config": 2, "non_finite": 3, "rejoin": 5, "stopped": 143}
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    failure.stop_on_signals()
+    signals = failure.stop_on_signals()
     rank = int(os.environ.get("RANK", "0"))
     run_dir = args.run_dir.resolve()
     host = os.environ.get("UGRO_HOST") or os.uname().nodename
@@ -118,16 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     progress = loop.Progress()
     try:
         job, problem = _load(args, host)
-        info = distributed.init(job.distributed.timeout_s if job else DistributedConfig().timeout_s)
+        info, server = distributed.init(job.distributed.timeout_s if job else DistributedConfig().timeout_s)
         distributed.agree(problem, info)  # a bad file on one host stops every rank, none waits
         assert job is not None
         distributed.check_same_job(job, info)
         if info.is_main and not rejoin.requested():  # ranks that rejoin find the run's record kept elsewhere
             write_status(run_dir, job_file=str(args.job))  # for the model card's command that reproduces the run
-        loop.run(job, info, run_dir, args.code_dir.resolve(), resume, progress)
+        membership = Membership(info, server, run_dir, job, GroupHealth(signals.stopped))
+        loop.run(job, run_dir, args.code_dir.resolve(), resume, progress, membership)
         return 0
     except (Exception, failure.Stopped) as exc:
-        ended = failure.record(run_dir, exc, host, info.rank if info else rank, progress.step)
+        ended = failure.record(run_dir, exc, host, info.rank if info else rank, progress.step, signals)
         log.error("%s: %s", ended.kind, ended.message)
         if (info.is_main if info else rank == 0) and not rejoin.requested():
             state = "stopped" if ended.kind == "stopped" else "failed"

@@ -28,9 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from train.data.blocks import IGNORE, flat_labels, model_inputs
 from train.dist import comm
+from train.dist.health import GroupHealth
 from train.model import headloss
 from train.model.load import packs_by_lengths
-from train.recovery import door, regroup
 
 
 def label_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -63,11 +63,12 @@ def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _summed(value: torch.Tensor) -> list[float]:
+def _summed(value: torch.Tensor, health: GroupHealth | None) -> list[float]:
     """``value`` summed over every rank, read on the host once the all-reduce has written it (train/dist/comm.py);
-    a lost peer ends the wait at once (train/recovery/regroup.py), not at the collective timeout."""
+    a lost peer ends the wait at once (train/dist/health.py), not at the collective timeout."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return regroup.result(comm.all_reduce(value, async_op=True), lambda: value.reshape(-1).tolist())
+        work, read = comm.all_reduce(value, async_op=True), lambda: value.reshape(-1).tolist()
+        return health.result(work, read) if health is not None else comm.result(work, read)
     return value.reshape(-1).tolist()
 
 
@@ -114,6 +115,10 @@ class StepClock:
     last_tokens: int = 0  # this rank's label tokens in the previous step, shared alongside its time
     gathered: list[float] = field(default_factory=list)  # every rank's previous-step compute time
     gathered_tokens: list[float] = field(default_factory=list)  # every rank's previous-step label tokens
+    # Plain data the step's exchange carries for the group (train/recovery/membership.py): this rank's term (the main
+    # rank's count of hosts waiting to join), and after the exchange their sum, the same on every rank.
+    proposing: int = 0
+    proposed: int = 0
     _start: float = 0.0
     _mark: float = 0.0
     _pending_tokens: float = 0.0
@@ -175,11 +180,10 @@ class StepClock:
             self._ended = (self._first, self._last)
 
 
-def exchange(counted_tokens: int, clock: StepClock) -> int:
+def exchange(counted_tokens: int, clock: StepClock, health: GroupHealth | None = None) -> int:
     """Collective, once per step: the step's label tokens summed over the ranks (each counts ``counted_tokens``),
-    every rank's compute time and tokens of the previous step into ``clock.gathered*``, and the hosts waiting to
-    rejoin the group (train/recovery/door.py: the main rank's count), so that every rank learns of them in the same
-    step."""
+    every rank's compute time and tokens of the previous step into ``clock.gathered*``, and ``clock.proposing``
+    summed into ``clock.proposed`` (a newer group is proposed: every rank learns it in the same step)."""
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
     rank = dist.get_rank() if initialized else 0
@@ -187,10 +191,10 @@ def exchange(counted_tokens: int, clock: StepClock) -> int:
     stats[0] = counted_tokens
     stats[1 + rank] = clock.last_compute_s
     stats[1 + world + rank] = clock.last_tokens
-    stats[-1] = door.waiting()
-    values = _summed(stats)
+    stats[-1] = clock.proposing
+    values = _summed(stats, health)
     clock.gathered, clock.gathered_tokens = values[1 : 1 + world], values[1 + world : 1 + 2 * world]
-    door.announced(int(values[-1]))
+    clock.proposed = int(values[-1])
     return int(values[0])
 
 
@@ -199,12 +203,13 @@ def backward(
     micro_batches: Sequence[dict[str, torch.Tensor]],
     device: torch.device,
     clock: StepClock | None = None,
+    health: GroupHealth | None = None,
 ) -> tuple[float, int]:
     """Accumulate the token-weighted gradient of this rank's micro-batches; return (global mean loss, T)."""
     clock = clock or StepClock()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     own_tokens = sum(label_tokens(mb) for mb in micro_batches)
-    total = exchange(own_tokens, clock)
+    total = exchange(own_tokens, clock, health)
 
     clock.begin()
     scale = world / max(total, 1)
@@ -222,7 +227,7 @@ def backward(
         loss_sum += loss.detach().double()
     clock.end()
     clock.last_tokens = own_tokens
-    return _summed(loss_sum)[0] / max(total, 1), total
+    return _summed(loss_sum, health)[0] / max(total, 1), total
 
 
 def clip(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:

@@ -22,7 +22,7 @@ from train.data.blocks import Blocks, prepare_eval, prompt_text
 from train.data.records import Record, is_chat, messages
 from train.dist import comm
 from train.dist.distributed import RankInfo
-from train.recovery import regroup
+from train.dist.health import GroupHealth
 
 
 @dataclass
@@ -46,7 +46,8 @@ def base_model(model: Any) -> Iterator[None]:
 
 
 @torch.no_grad()
-def loss(model: torch.nn.Module, held_out: HeldOut, info: RankInfo, batch_size: int) -> tuple[float, int]:
+def loss(model: torch.nn.Module, held_out: HeldOut, info: RankInfo, batch_size: int,
+         health: GroupHealth | None = None) -> tuple[float, int]:  # fmt: skip
     """Mean next-token loss over every held-out answer token (all ranks together), and that token count."""
     was_training = model.training
     model.eval()
@@ -62,7 +63,8 @@ def loss(model: torch.nn.Module, held_out: HeldOut, info: RankInfo, batch_size: 
     if dist.is_available() and dist.is_initialized() and info.world_size > 1:
         reduced = total.to(comm.carrier())
         # Read once the all-reduce has written it; a lost peer ends the wait at once, as in a step.
-        total = regroup.result(comm.all_reduce(reduced, async_op=True), reduced.cpu)
+        work = comm.all_reduce(reduced, async_op=True)
+        total = health.result(work, reduced.cpu) if health is not None else comm.result(work, reduced.cpu)
     model.train(was_training)
     tokens = int(total[1])
     return (float(total[0]) / tokens if tokens else float("nan")), tokens

@@ -34,7 +34,7 @@ from train.dist import devicecheck, nccl_like
 
 T = TypeVar("T")
 
-_CONTROL: list[dist.ProcessGroup] = []
+CONTROL = "ugro-control"  # the control group's description, by which it is found among the world's groups
 
 
 def _nccl(group: dist.ProcessGroup | None) -> bool:
@@ -53,24 +53,20 @@ def control_group() -> dist.ProcessGroup | None:
     calls it at the same point the first time (making a group is collective)."""
     if not nccl_semantics(None) and not devicecheck.installed():
         return None
-    if not _CONTROL:
-        _CONTROL.append(dist.new_group(backend="gloo"))
-    return _CONTROL[0]
+    return next(iter(control_groups()), None) or dist.new_group(backend="gloo", group_desc=CONTROL)
 
 
 def control_groups() -> tuple[dist.ProcessGroup, ...]:
-    """The control groups made beside the default group (none on CPU)."""
-    return tuple(_CONTROL)
-
-
-def forget_control_group() -> None:
-    """The default group was replaced (a regroup): the next ``control_group()`` makes one in the new group."""
-    _CONTROL.clear()
+    """The control groups made beside the default group (none on CPU): kept in torch's registry of the world's
+    groups, which a new default group (a regroup) starts empty."""
+    if not dist.is_initialized():
+        return ()
+    return tuple(group for group in c10d._world.pg_names if group.group_desc == CONTROL)
 
 
 def carrier(group: dist.ProcessGroup | None = None) -> torch.device:
     """The device whose tensors ``group`` (None: the default group) carries."""
-    if group is not None and group in _CONTROL:
+    if group is not None and group.group_desc == CONTROL:
         return torch.device("cpu")
     if _nccl(group):
         return torch.device("cuda", torch.cuda.current_device())
@@ -138,7 +134,7 @@ def result(works: dist.Work | Sequence[dist.Work] | None, read: Callable[[], T],
     """The one way to read collectives' results on the host: wait on each work (NCCL: the current stream waits for
     NCCL's; the test backend: the result lands now), then ``read``. On gloo the wait is on the work's future in
     Python, so that a signal (a stop's SIGTERM) and ``broken`` (set when the group is declared broken) reach the
-    caller; a group with NCCL's semantics is aborted instead (train/recovery/regroup.py ``Watcher.fail``), which
+    caller; a group with NCCL's semantics is aborted instead (train/dist/health.py ``GroupHealth.fail``), which
     ends its wait with an error. ``BrokenGroup`` when ``broken`` was set."""
     for work in [works] if isinstance(works, dist.Work) else (works or ()):
         try:
@@ -177,12 +173,12 @@ def then(
 
 
 class BrokenGroup(RuntimeError):
-    """A wait ended because the group was declared broken (train/recovery/regroup.py turns it into GroupLost)."""
+    """A wait ended because the group was declared broken (train/dist/health.py turns it into GroupLost)."""
 
 
 def abort_all() -> None:
     """Abort every group with NCCL's semantics (``ncclCommAbort``): their waits end with an error. From any thread:
-    the world's registry is left as it is (``regroup.leave`` clears it on the rank's own thread)."""
+    the world's registry is left as it is (train/dist/distributed.py ``leave`` clears it on the rank's own thread)."""
     if not dist.is_initialized():
         return
     for group in list(c10d._world.pg_names):

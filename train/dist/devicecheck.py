@@ -194,25 +194,32 @@ def _checked(call: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-_INSTALLED: list[_Follow] = []
+MODE = "ugro_device_mode"  # the attribute of the checked torch.distributed calls that holds the checker's mode
+
+
+def _mode() -> _Follow | None:
+    """The checker's torch-function mode, kept on the calls it wraps in torch.distributed (the process's, as the
+    wrapping is): None where it is not installed."""
+    return getattr(dist.all_reduce, MODE, None)
 
 
 def install() -> bool:
     """Turn the checker on in this process when ``UGRO_CHECK_DEVICES=1``; whether it is on."""
-    if _INSTALLED:
+    if _mode() is not None:
         return True
     if not requested() or "MASTER_ADDR" not in os.environ:  # only a rank of a distributed run
         return False
     mode = _Follow()
     mode.__enter__()
-    _INSTALLED.append(mode)
     for call in CHECKED:
-        setattr(dist, call, _checked(call, getattr(dist, call)))
+        checked = _checked(call, getattr(dist, call))
+        setattr(checked, MODE, mode)
+        setattr(dist, call, checked)
     return True
 
 
 def installed() -> bool:
-    return bool(_INSTALLED)
+    return _mode() is not None
 
 
 @contextlib.contextmanager
@@ -220,11 +227,12 @@ def paused() -> Iterator[None]:
     """Torch calls in here are not followed: transformers' loading marks and re-initialises tensors itself, and
     under a torch-function mode it left the rotary tables uninitialised. What it loads is moved to the rank's
     device afterwards (train/model/load.py), which marks it."""
-    if not _INSTALLED:
+    mode = _mode()
+    if mode is None:
         yield
         return
-    _INSTALLED[0].__exit__(None, None, None)
+    mode.__exit__(None, None, None)
     try:
         yield
     finally:
-        _INSTALLED[0].__enter__()
+        mode.__enter__()

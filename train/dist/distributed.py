@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from train.dist import comm, devicecheck, nccl_like
-from train.recovery import regroup
+from train.dist.health import GroupHealth
 from train.config import ConfigError, JobConfig
 from train.balance.step import StepClock
 
@@ -37,8 +37,26 @@ class RankInfo:
         return self.rank == self.main_rank
 
 
-def init(timeout_s: int) -> RankInfo:
-    """Join the process group torchrun prepared: NCCL on CUDA, gloo on CPU."""
+class StoreServer:
+    """This host's regroup store, kept by its first rank and listening from the start on a port of the ephemeral range
+    (which the firewall opens to the cluster's members): a regroup never waits for a server to come up, and a host
+    that becomes the main one forms the next group through it."""
+
+    def __init__(self, address: str) -> None:
+        self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        self.endpoint = f"{address}:{self.store.port}"
+
+
+def endpoint_store(endpoint: str, timeout_s: float) -> dist.Store:
+    """A client of the store at ``endpoint`` (address:port)."""
+    host, port = endpoint.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+
+
+def init(timeout_s: int) -> tuple[RankInfo, StoreServer | None]:
+    """Join the process group torchrun prepared: NCCL on CUDA, gloo on CPU. This rank's place, and on each host's
+    first rank of a distributed run its regroup store."""
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -56,14 +74,20 @@ def init(timeout_s: int) -> RankInfo:
             kwargs["device_id"] = device
             # A collective past the timeout: the watchdog aborts the communicator and the wait raises, and the
             # rank records the failure (the default, 3, ends the process without a word). A regroup aborts the
-            # broken group itself before (train/recovery/regroup.py ``leave``).
+            # broken group itself before (``leave``).
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         dist.init_process_group(**kwargs)
         comm.control_group()  # made now, while every rank is here: made later, a lost peer would block it
     host = os.environ.get("UGRO_HOST") or socket.gethostname()
-    main_rank, hosts, stores = _roll_call(host, rank, local_rank, world)
+    server = _store_server() if dist.is_initialized() and local_rank == 0 else None
+    main_rank, hosts, stores = _roll_call(host, rank, local_rank, world, server)
     attempt = int(os.environ.get("UGRO_ATTEMPT", "0"))
-    return RankInfo(rank, local_rank, world, host, device, main_rank, hosts, attempt, stores)
+    return RankInfo(rank, local_rank, world, host, device, main_rank, hosts, attempt, stores), server
+
+
+def _store_server() -> StoreServer:
+    address = os.environ.get("UGRO_CLUSTER_ADDRESS") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    return StoreServer(address)
 
 
 def cpu_backend() -> str:
@@ -71,11 +95,8 @@ def cpu_backend() -> str:
     return nccl_like.install() or "gloo"
 
 
-_SERVERS: list[regroup.StoreServer] = []
-
-
 def _roll_call(
-    host: str, rank: int, local_rank: int, world: int
+    host: str, rank: int, local_rank: int, world: int, server: StoreServer | None
 ) -> tuple[int, tuple[str, ...], tuple[tuple[str, str], ...]]:
     """Every rank's host, the rank whose disk holds the run, and every host's regroup store.
 
@@ -87,10 +108,7 @@ def _roll_call(
     candidate = rank if os.environ.get("UGRO_MAIN_HOST") == "1" and local_rank == 0 else world
     if not dist.is_initialized():
         return 0, (host,), ()
-    if local_rank == 0 and not _SERVERS:
-        address = os.environ.get("UGRO_CLUSTER_ADDRESS") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        _SERVERS.append(regroup.StoreServer(address))
-    endpoint = _SERVERS[0].endpoint if local_rank == 0 else ""
+    endpoint = server.endpoint if server is not None else ""
     everyone: list[tuple[str, int, str] | None] = [None] * world
     dist.all_gather_object(everyone, (host, candidate, endpoint))
     entries = [e for e in everyone if e is not None]
@@ -99,54 +117,36 @@ def _roll_call(
     return (chosen if chosen < world else 0), tuple(h for h, _, _ in entries), stores
 
 
-def rejoin(info: RankInfo, membership: regroup.Membership, timeout_s: int) -> RankInfo:
-    """Leave the broken group and form ``membership``'s with the other survivors: this rank's new place."""
-    survivors = regroup.new_ranks(info.hosts, membership.hosts)
-    if info.rank not in survivors:
-        raise regroup.GroupLost(f"the new membership left this host out of the group ({', '.join(membership.hosts)})")
-    hosts = tuple(info.hosts[r] for r in survivors)
-    stores = tuple((h, e) for h, e in info.stores if h in membership.hosts)
-    return _form(info, membership.generation, survivors.index(info.rank), hosts, membership.main, stores, timeout_s,
-                 "regroup")  # fmt: skip
+def form(new: RankInfo, store: dist.Store, prefix: str, timeout_s: int, retired: list[Any]) -> None:
+    """Leave the current default group (without waiting for what is under way in it) and form ``new``'s through
+    ``store``, under ``prefix`` (every group's keys apart in the store).
 
-
-def enter(info: RankInfo, group: Any, rank: int, timeout_s: int) -> RankInfo:
-    """Leave this rank's group and form ``group`` (train/recovery/rejoin.py ``Group``: a group grown by the hosts it took in)
-    as its rank ``rank``, through its main host's store."""
-    return _form(info, group.generation, rank, tuple(group.hosts), group.main, tuple(group.stores), timeout_s, "grow")
-
-
-def _form(info: RankInfo, generation: int, rank: int, hosts: tuple[str, ...], main: str,
-          stores: tuple[tuple[str, str], ...], timeout_s: int, kind: str) -> RankInfo:  # fmt: skip
-    """Form the group of ``hosts`` (every rank's host) through ``main``'s store, as its rank ``rank``: this rank's
-    new place."""
-    store = _store_of(info, main, stores, timeout_s)
-    backend = "nccl" if info.device.type == "cuda" else cpu_backend()
-    comm.forget_control_group()
-    regroup.form(backend, store, info.attempt, generation, rank, len(hosts), timeout_s, info.device, kind)
+    The groups left behind go into ``retired``, kept until the process ends: a collective abandoned in one may still be
+    pending (a cut link: it ends at the collective timeout), and the gloo thread that ends it runs its future's Python
+    callback, which needs the GIL; destroying the group on this thread (holding the GIL) would join that thread: a
+    deadlock. gloo: destroying the group returns at once, a collective pending on the lost peer fails with it. NCCL:
+    such a collective is a kernel on the GPU waiting for a peer that is gone; it holds its stream, and destroying the
+    group would wait for it. Aborting every communicator (``leave``) ends those kernels with an error. The new group is
+    formed with ``device_id``: NCCL connects its communicator now, on this rank's GPU, not at the first collective.
+    The model, the optimizer state and the gradients stay on the device throughout: they belong to the process, not
+    to the group."""
+    if dist.is_initialized():
+        retired.extend(dist.distributed_c10d._world.pg_map)  # the default, control and pipeline groups
+        leave()
+    kwargs: dict[str, Any] = {"backend": "nccl" if new.device.type == "cuda" else cpu_backend(),
+                              "timeout": datetime.timedelta(seconds=timeout_s)}  # fmt: skip
+    if new.device.type == "cuda":
+        kwargs["device_id"] = new.device
+    dist.init_process_group(store=dist.PrefixStore(prefix, store), rank=new.rank, world_size=new.world_size, **kwargs)
     comm.control_group()  # the new group's, made while every member is here
-    return RankInfo(rank, info.local_rank, len(hosts), info.host, info.device, hosts.index(main), hosts, info.attempt,
-                    stores)  # fmt: skip
 
 
-def store_server() -> dist.Store | None:
-    """This process's regroup store, where it is its host's first rank."""
-    return _SERVERS[0].store if _SERVERS else None
-
-
-def regroup_store(info: RankInfo, host: str, timeout_s: int) -> dist.Store:
-    """``host``'s regroup store: this process's own server where ``host`` is this rank's host and this is its first
-    rank, else a client of it."""
-    return _store_of(info, host, info.stores, timeout_s)
-
-
-def _store_of(info: RankInfo, host: str, stores: tuple[tuple[str, str], ...], timeout_s: int) -> dist.Store:
-    if _SERVERS and host == info.host:
-        return _SERVERS[0].store
-    endpoint = dict(stores).get(host)
-    if endpoint is None:
-        raise regroup.GroupLost(f"no regroup store is known for the new main host {host}")
-    return regroup.endpoint_store(endpoint, timeout_s)
+def leave() -> None:
+    """Leave every process group of the current default group: NCCL's aborted, gloo's destroyed."""
+    if comm.nccl_semantics(None):  # NCCL, or the test backend that behaves like it
+        dist.distributed_c10d._abort_process_group()  # every group, the control and pipeline ones too
+    else:
+        dist.destroy_process_group()
 
 
 def wait_for_all(what: str, timeout_s: int) -> None:
@@ -224,6 +224,7 @@ def compression(job: JobConfig, info: RankInfo, model: torch.nn.Module) -> str:
 class _HookState:
     clock: StepClock
     compress: bool
+    health: GroupHealth
     process_group: dist.ProcessGroup | None = None
 
 
@@ -239,7 +240,7 @@ def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.future
     # event completes exactly when the GPU has computed the bucket's gradients, before the all-reduce (queued
     # next, on NCCL's stream) and its wait for slower ranks.
     state.clock.lap()
-    regroup.intact()  # a group declared broken takes no new collective (its NCCL groups are aborted already)
+    state.health.intact()  # a group declared broken takes no new collective (its NCCL groups are aborted already)
     buffer = bucket.buffer()
     world = dist.get_world_size(state.process_group)
     if not state.compress:
@@ -293,9 +294,8 @@ def broadcast_trainable(model: torch.nn.Module, info: RankInfo, src: int = 0) ->
     return sent
 
 
-def wrap(
-    model: torch.nn.Module, info: RankInfo, clock: StepClock | None = None, compress: str = "none", src: int = 0
-) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, info: RankInfo, clock: StepClock | None = None, compress: str = "none", src: int = 0,
+         health: GroupHealth | None = None) -> torch.nn.Module:  # fmt: skip
     """DDP over the trainable (LoRA) parameters only, with a timing (and optionally bf16) all-reduce hook.
 
     DDP's start-up sync (``init_sync``) would broadcast every parameter and buffer from rank 0, the
@@ -315,11 +315,12 @@ def wrap(
         find_unused_parameters=False,
         gradient_as_bucket_view=True,
     )
-    ddp.register_comm_hook(_HookState(clock or StepClock(), compress == "bf16"), _timed_allreduce)
+    ddp.register_comm_hook(_HookState(clock or StepClock(), compress == "bf16", health or GroupHealth()),
+                           _timed_allreduce)  # fmt: skip
     return ddp
 
 
-def check_gradients_agree(params: list[torch.nn.Parameter], info: RankInfo, backend: str) -> None:
+def check_gradients_agree(params: list[torch.nn.Parameter], info: RankInfo, backend: str, health: GroupHealth) -> None:
     """Collective, once, after the first synchronizing backward under DDP: every rank holds the same gradients.
 
     DDP all-reduces them, so they agree to the bit. A library that silently turns DDP's synchronization off (unsloth
@@ -333,7 +334,7 @@ def check_gradients_agree(params: list[torch.nn.Parameter], info: RankInfo, back
         if param.grad is not None:
             squares += param.grad.detach().double().pow(2).sum()
     everyone = [comm.zeros((), torch.float64) for _ in range(info.world_size)]
-    gathered = regroup.result(comm.all_gather(everyone, squares, async_op=True), lambda: [float(t) for t in everyone])
+    gathered = health.result(comm.all_gather(everyone, squares, async_op=True), lambda: [float(t) for t in everyone])
     norms = [value**0.5 for value in gathered]
     if max(norms) - min(norms) <= 1e-6 * max(max(norms), 1e-12):
         return

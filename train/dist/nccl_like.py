@@ -96,7 +96,7 @@ class NcclWork(dist.Work):
     def is_completed(self) -> bool:
         """Ended well, or ended badly underneath and aborted: a collective waiting for a lost peer is not complete
         (NCCL's is not), nor one whose gloo operation is still pending (its callback would need the GIL when the
-        group is destroyed: train/recovery/regroup.py ``Watcher.settle`` waits for it)."""
+        group is destroyed: train/dist/health.py ``GroupHealth.settle`` waits for it)."""
         return self._finished and (self._error is None or bool(self._group.aborted))
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
@@ -210,7 +210,7 @@ class _Channel:
 class NcclLike(dist.ProcessGroup):
     """The group: gloo underneath, NCCL's completion, ordering and failure rules on top (module docstring)."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, kept: Groups) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]
         self.store = store
         self.gloo: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
@@ -220,7 +220,7 @@ class NcclLike(dist.ProcessGroup):
         self.changed = threading.Condition()
         self._channels: dict[int, _Channel] = {}
         self._lock = threading.Lock()
-        _GROUPS.append(self)
+        kept.groups.append(self)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return NAME
@@ -339,26 +339,28 @@ class NcclLike(dist.ProcessGroup):
         return self.p2p([(False, tensors[0], src, tag)])[0]
 
 
-# Every group of this process, until its exit. Gloo's group inside each is let go only there, on the main thread, after
-# the channels' threads stopped: let go with the last reference to the group, it could go on one of gloo's own threads
-# (a collective's callback holds the work, the work its group), whose destructor then joins itself and ends the
-# process with an abort; or in the interpreter's last collection, racing gloo's network thread.
-_GROUPS: list[NcclLike] = []
+class Groups:
+    """Every group of this process, until its exit: the backend's creator, registered once with torch (which keeps it
+    as long as the process). Gloo's group inside each is let go only at exit, on the main thread, after the channels'
+    threads stopped: let go with the last reference to the group, it could go on one of gloo's own threads (a
+    collective's callback holds the work, the work its group), whose destructor then joins itself and ends the process
+    with an abort; or in the interpreter's last collection, racing gloo's network thread."""
 
+    def __init__(self) -> None:
+        self.groups: list[NcclLike] = []
+        atexit.register(self.abort_all)
 
-@atexit.register
-def _abort_all() -> None:
-    for group in _GROUPS:
-        group.abort()
-    for group in _GROUPS:
-        for channel in list(group._channels.values()):
-            channel.thread.join(timeout=1.0)
-        group.gloo = None
-    _GROUPS.clear()
+    def create(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> NcclLike:
+        return NcclLike(store, rank, size, timeout, self)
 
-
-def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> NcclLike:
-    return NcclLike(store, rank, size, timeout)
+    def abort_all(self) -> None:
+        for group in self.groups:
+            group.abort()
+        for group in self.groups:
+            for channel in list(group._channels.values()):
+                channel.thread.join(timeout=1.0)
+            group.gloo = None
+        self.groups.clear()
 
 
 _ORIGINAL_BATCH = c10d.batch_isend_irecv
@@ -374,17 +376,14 @@ def _batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:
     return list(group.p2p(ops))
 
 
-_INSTALLED: list[bool] = []
-
-
 def install() -> str | None:
-    """Register the backend when ``UGRO_NCCL_LIKE=1``: its name, for ``init_process_group``; else None."""
+    """Register the backend when ``UGRO_NCCL_LIKE=1`` (once: torch's registry of backends says whether it is): its
+    name, for ``init_process_group``; else None."""
     if not requested():
         return None
-    if not _INSTALLED:
-        dist.Backend.register_backend(NAME, _create, devices=["cpu"])
+    if NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(NAME, Groups().create, devices=["cpu"])
         dist.batch_isend_irecv = _batch_isend_irecv
-        _INSTALLED.append(True)
     return NAME
 
 

@@ -32,10 +32,11 @@ from train.data.evaluate import HeldOut
 from train.data.records import Record
 from train.dist import comm, distributed
 from train.dist.distributed import RankInfo
+from train.dist.health import GroupHealth
 from train.layout import pipeline, stagemodel
 from train.layout.topology import Layout, data_parallel
 from train.model.load import DTYPES, load_model
-from train.recovery import checkpoint, regroup
+from train.recovery import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ class _Engine:
 class DataParallel(_Engine):
     """Every rank a whole replica: DDP over the LoRA weights, shares by measured speed (train/balance/batchplan.py)."""
 
-    def __init__(self, job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout) -> None:
-        self.job, self.info, self.layout = job, info, layout
+    def __init__(self, job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout, health: GroupHealth) -> None:
+        self.job, self.info, self.layout, self.health = job, info, layout, health
         self.model, self.tokenizer, self.backend = load_model(job, code_dir, info.device)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.batch_rank = info.rank  # the sampler's index of this rank's share
@@ -69,16 +70,17 @@ class DataParallel(_Engine):
     def start(self, saved_plan: dict[str, Any] | None, src: int = 0) -> str:
         self.balancer = Balancer(self.job, self.info, saved_plan)
         compress = distributed.compression(self.job, self.info, self.model)
-        self.ddp = distributed.wrap(self.model, self.info, self.balancer.clock, compress, src)
+        self.ddp = distributed.wrap(self.model, self.info, self.balancer.clock, compress, src, self.health)
         self.synchronized = False
         return f"data parallel, grad_compression={compress}"
 
-    def regroup(self, info: RankInfo, src: int) -> str:
+    def regroup(self, info: RankInfo, src: int, retired: list[Any]) -> str:
         """Go on in a new group (survivors, or hosts taken back in): DDP anew over it (from rank ``src``'s weights),
-        shares re-planned, a whole replica on each of its ranks."""
+        shares re-planned, a whole replica on each of its ranks. The old DDP wrapper goes into ``retired``: its
+        reducer holds the broken group (train/dist/distributed.py ``form`` says why it is kept)."""
         self.info, self.batch_rank = info, info.rank
         self.layout = data_parallel(self.layout.layers, info.hosts, self.layout.reason)
-        regroup.retire(self.ddp)  # its reducer holds the broken group (train/recovery/regroup.py _RETIRED says why)
+        retired.append(self.ddp)
         self.ddp = self.model
         return self.start(None, src)
 
@@ -86,9 +88,9 @@ class DataParallel(_Engine):
         self.ddp.train()
 
     def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
-        result = backward(self.ddp, micro_batches, self.info.device, self.balancer.clock)
+        result = backward(self.ddp, micro_batches, self.info.device, self.balancer.clock, self.health)
         if not self.synchronized:  # the first step of this group: did DDP all-reduce the gradients?
-            distributed.check_gradients_agree(self.trainable, self.info, self.backend)
+            distributed.check_gradients_agree(self.trainable, self.info, self.backend, self.health)
             self.synchronized = True
         return result
 
@@ -96,13 +98,14 @@ class DataParallel(_Engine):
         return clip(self.trainable, max_norm)
 
     def held_out_loss(self, held_out: HeldOut, batch_size: int) -> tuple[float, int]:
-        return evaluate.loss(self.model, held_out, self.info, batch_size)
+        return evaluate.loss(self.model, held_out, self.info, batch_size, self.health)
 
     def restore(self, run_dir: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> checkpoint.Restored | None:
         return checkpoint.restore(run_dir, self.model, optimizer, scheduler, self.info.rank, self.info.main_rank)
 
     def save(self, run_dir: Path, step: int, optimizer: torch.optim.Optimizer, scheduler: Any,
              extra: dict[str, Any]) -> Path | None:  # fmt: skip
+        extra = extra | {"rng": checkpoint.gather_rngs(self.health)}
         return checkpoint.save(
             run_dir, step, self.model, optimizer, scheduler, self.job.checkpoint.keep_last, self.info.is_main, extra
         )
@@ -125,8 +128,9 @@ class Pipelined(_Engine):
 
     in_place = False  # stages are cut for the hosts that hold them
 
-    def __init__(self, job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout, run_dir: Path) -> None:
-        self.job, self.info, self.layout = job, info, layout
+    def __init__(self, job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout, run_dir: Path,
+                 health: GroupHealth) -> None:  # fmt: skip
+        self.job, self.info, self.layout, self.health = job, info, layout, health
         self.where, self.stage = layout.where(info.rank), layout.stage(info.rank)
         if self.where.stages == 1:
             self.model, self.tokenizer, self.backend = load_model(job, code_dir, info.device)
@@ -140,10 +144,10 @@ class Pipelined(_Engine):
         self.named = pipeline.named_trainable(self.model, self.stage.start)
         self.trainable = [p for _, p in self.named]
         hidden = int(self.model.get_base_model().config.hidden_size)
-        self.runner = pipeline.StageRunner(self.model, self.where, hidden, DTYPES[job.model.dtype], info.device)
+        self.runner = pipeline.StageRunner(self.model, self.where, hidden, DTYPES[job.model.dtype], info.device, health)
         self.batch_rank = self.where.replica
 
-    def regroup(self, info: RankInfo, src: int) -> str:
+    def regroup(self, info: RankInfo, src: int, retired: list[Any]) -> str:
         """Stages are cut for the hosts that hold them: a lost stage host means a relaunch that re-cuts them."""
         raise RuntimeError("a pipeline's stages cannot regroup in place; the controller relaunches from a checkpoint")
 
@@ -240,7 +244,7 @@ class Pipelined(_Engine):
 
     def save(self, run_dir: Path, step: int, optimizer: torch.optim.Optimizer, scheduler: Any,
              extra: dict[str, Any]) -> Path | None:  # fmt: skip
-        rngs = checkpoint.gather_rngs()
+        rngs = checkpoint.gather_rngs(self.health)
         everyone = self._gather(optimizer)
         if not self.info.is_main or everyone is None:
             return None
@@ -336,8 +340,10 @@ def device_name(device: torch.device) -> str:
     return f"{device.type}: {model or platform.processor() or platform.machine() or 'unknown model'}"
 
 
-def build(job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout, run_dir: Path) -> Engine:
+def build(job: JobConfig, info: RankInfo, code_dir: Path, layout: Layout, run_dir: Path,
+          health: GroupHealth) -> Engine:  # fmt: skip
+    """The rank's engine; its waits on collectives end when ``health`` says the group broke."""
     if layout.pipelined:
         log.info("layout (%s): %s", layout.reason, layout.describe())
-        return Pipelined(job, info, code_dir, layout, run_dir)
-    return DataParallel(job, info, code_dir, layout)
+        return Pipelined(job, info, code_dir, layout, run_dir, health)
+    return DataParallel(job, info, code_dir, layout, health)

@@ -40,10 +40,10 @@ import torch.distributed as dist
 
 from train.balance.step import StepClock, exchange, label_tokens, logits_loss
 from train.dist import comm
+from train.dist.health import GroupHealth
 from train.layout import stagemodel
 from train.layout.topology import Where
 from train.model import headloss
-from train.recovery import regroup
 
 
 @dataclass
@@ -55,6 +55,7 @@ class StageRunner:
     hidden_size: int
     dtype: torch.dtype
     device: torch.device
+    health: GroupHealth = field(default_factory=GroupHealth)  # its waits end when the group broke
     sent_bytes: int = 0  # hidden states and their gradients this stage has sent
     step_bytes: int = 0  # of that, what the training steps sent
     steps: int = 0  # training steps done in this process
@@ -88,7 +89,7 @@ class StageRunner:
                 receives.append((buffer, peer))
             buffers.append(buffer)
         if sends or receives:
-            regroup.wait(comm.exchange(sends, receives))  # the payloads live until every send is done
+            self.health.wait(comm.exchange(sends, receives))  # the payloads live until every send is done
         inputs, grad = buffers
         return (None if inputs is None else inputs.requires_grad_(True)), grad
 
@@ -136,7 +137,7 @@ class StageRunner:
         before = self.sent_bytes
         where = self.where
         own = sum(label_tokens(mb) for mb in micro_batches)
-        total = exchange(own if where.last else 0, clock)
+        total = exchange(own if where.last else 0, clock, self.health)
         scale = 1.0 / max(total, 1)
         clock.begin()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -214,9 +215,9 @@ class StageRunner:
             if self.where.last:
                 token = int(out[0, -1].argmax())
                 message[0], message[1] = token, int(token in stop_ids)
-                regroup.wait(comm.exchange(sends=[(message, rank) for rank in group[:-1]]))
+                self.health.wait(comm.exchange(sends=[(message, rank) for rank in group[:-1]]))
             else:
-                regroup.wait(comm.exchange(receives=[(message, group[-1])]))
+                self.health.wait(comm.exchange(receives=[(message, group[-1])]))
             token, stop = int(message[0]), bool(message[1])
             if stop:
                 break

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from train.digest import sha256_file
 from train.dist import comm
-from train.recovery import regroup
+from train.dist.health import GroupHealth
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +111,12 @@ def latest_valid(run_dir: Path) -> Path | None:
     return None
 
 
-def gather_rngs() -> list[Any]:
-    """Collective: every rank's RNG states, by rank (abandoned, like a step's all-reduce, when a peer is lost)."""
+def gather_rngs(health: GroupHealth | None = None) -> list[Any]:
+    """Collective: every rank's RNG states, by rank (abandoned, like a step's all-reduce, when ``health`` says a peer
+    is lost)."""
     if not dist.is_initialized():
         return [rng_state()]
-    return regroup.gather_objects(rng_state(), comm.control_group())
+    return (health or GroupHealth()).gather_objects(rng_state(), comm.control_group())
 
 
 def save(
@@ -128,8 +129,9 @@ def save(
     is_main: bool,
     extra: dict[str, Any],
 ) -> Path | None:
-    """Collective: every rank contributes its RNG state; rank 0 writes. Returns the path on rank 0."""
-    rngs = gather_rngs()
+    """Collective: every rank contributes its RNG state (``extra["rng"]`` where the caller gathered them already); the
+    main rank writes. Returns the path on the main rank."""
+    rngs = extra["rng"] if "rng" in extra else gather_rngs()
     if not is_main:
         return None
     state = {

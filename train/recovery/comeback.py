@@ -51,7 +51,7 @@ class Place:
         host_dir = worker.run_dir / "hosts" / host if worker.run_dir is not None else None
         if host_dir is None or worker.job is None or int(str(args.nnodes).split(":")[-1]) <= 1:
             return cls(host_dir, 0)
-        from train.recovery.regroup import scheduler
+        from train.recovery.watch import scheduler
 
         if scheduler() is not None:  # its ranks never regroup by themselves: the scheduler's requeue resumes
             return cls(host_dir, 0)

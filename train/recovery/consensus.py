@@ -1,7 +1,7 @@
 """Who is left after a lost host, agreed by the survivors themselves when no controller follows the run.
 
 A controller that follows the run names the survivors (``playbooks/regroup.yml`` writes ``membership.json``:
-train/recovery/regroup.py ``Watcher``). Once the user pressed Ctrl-C, closed the terminal, or the laptop that ran the
+train/recovery/watch.py ``Watcher``). Once the user pressed Ctrl-C, closed the terminal, or the laptop that ran the
 controller went to sleep, nobody would: the survivors would wait ``distributed.regroup_timeout_s`` and fail. So
 each host records when the following controller last asked it, and while that is older than three of its polls the
 ranks decide themselves. The record is the node exporter's where the controller polls it over HTTP
@@ -9,7 +9,7 @@ ranks decide themselves. The record is the node exporter's where the controller 
 ugro/module_utils/ugro_exporter.py ``FollowMarks``), and ``hosts/<host>/followed.json`` where it polls through
 Ansible or reads its own checkout (written as the job's user: ugro/module_utils/ugro_jobstate.py ``mark_followed``):
 
-- ``probe``: every other host's regroup store, a TCP connect each, ``regroup.SILENT_AFTER`` rounds. A refused
+- ``probe``: every other host's regroup store, a TCP connect each, ``watch.SILENT_AFTER`` rounds. A refused
   connect is a host that is up but whose job is gone (``down``); one that never answers is a cut link or a dead
   host (``silent``).
 - ``propose``: the hosts that answered go on, if they are more than half of the hosts that may still run (every
@@ -33,7 +33,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from train.recovery import jobkey, storedata
-from train.recovery.regroup import HEARTBEAT_S, SILENT_AFTER, Membership
+from train.recovery.group import Group
+from train.recovery.watch import HEARTBEAT_S, SILENT_AFTER
 
 log = logging.getLogger(__name__)
 
@@ -95,32 +96,32 @@ def probe(stores: dict[str, str], rounds: int = SILENT_AFTER, timeout_s: float =
     return View(frozenset(refused), frozenset(silent))
 
 
-def propose(hosts: tuple[str, ...], main: str, view: View, generation: int) -> Membership | None:
-    """The membership after ``generation`` that ``view`` supports, or None: nobody is gone (a frozen rank, a
-    crashed one whose host's store still answers: the controller's to judge), or the hosts that answer are no
-    majority of those that may still run."""
+def propose(group: Group, view: View) -> Group | None:
+    """The group after ``group`` that ``view`` supports, or None: nobody is gone (a frozen rank, a crashed one whose
+    host's store still answers: the controller's to judge), or the hosts that answer are no majority of those that
+    may still run."""
     if not view.gone:
         return None
-    alive = tuple(h for h in hosts if h not in view.gone)
+    hosts = group.members
+    alive = group.without(view.gone)
     may_run = len(hosts) - len(view.down & set(hosts))
     if 2 * len(alive) <= may_run:
         return None
-    return Membership(generation + 1, alive, main if main in alive else alive[0])
+    return group.survivors(group.generation + 1, alive, group.main if group.main in alive else alive[0])
 
 
-def agree(proposal: Membership, store: dist.Store, attempt: int, hosts: tuple[str, ...], key: bytes,
-          tries: int = AGREE_TRIES) -> Membership:  # fmt: skip
-    """The membership the survivors of ``hosts`` take for ``proposal``'s generation: the first proposed at the new
-    main host's store (``store``), this one if it came first. Each is proven with the run's key
-    (train/recovery/jobkey.py); a value there that no survivor could have proposed (anyone who reaches the store can
-    write it first) is refused, named in the log, and the next key tried: every survivor reads the same values in the
-    same order, so they skip the same ones and still agree."""
-    fields = storedata.membership_fields(proposal)
+def agree(proposal: Group, store: dist.Store, current: Group, key: bytes, tries: int = AGREE_TRIES) -> Group:
+    """The group the survivors of ``current`` take for ``proposal``'s generation: the first proposed at the new main
+    host's store (``store``), this one if it came first. Each is proven with the run's key (train/recovery/jobkey.py);
+    a value there that no survivor could have proposed (anyone who reaches the store can write it first) is refused,
+    named in the log, and the next key tried: every survivor reads the same values in the same order, so they skip
+    the same ones and still agree."""
+    fields = proposal.proposal()
     mine = json.dumps(fields | {"proof": jobkey.proof(key, fields)})
     for attempt_key in range(tries):
-        name = f"ugro-membership-{attempt}-{proposal.generation}" + (f"-{attempt_key}" if attempt_key else "")
-        decided = storedata.membership(bytes(store.compare_set(name, "", mine)), hosts, proposal.generation, key)
-        if isinstance(decided, Membership):
+        name = f"ugro-membership-{current.attempt}-{proposal.generation}" + (f"-{attempt_key}" if attempt_key else "")
+        decided = storedata.membership(bytes(store.compare_set(name, "", mine)), current, proposal.generation, key)
+        if isinstance(decided, Group):
             return decided
         log.warning("refused the membership under %s in %s's store: %s", name, proposal.main, decided)
     raise RuntimeError(f"no membership could be agreed in {proposal.main}'s store: {tries} keys held values no "

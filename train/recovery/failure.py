@@ -22,14 +22,12 @@ from types import FrameType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from train.config import ConfigError
+from train.dist import health
 
 FAILURES = "failures.jsonl"
 NOT_RESTARTABLE = frozenset({"config", "non_finite"})
-# Text of collective errors that gloo and NCCL raise as plain RuntimeError.
-_COLLECTIVE_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe")
 
 
 class NonFiniteError(RuntimeError):
@@ -60,46 +58,49 @@ class Failure:
         return asdict(self)
 
 
-class _Received:
-    """The stop this process received (its signal dispositions are the process's, so is this): once a stop came,
-    whatever ends the rank ends it because of the stop. The handler's ``Stopped`` can come out in another form: raised
-    while Python ran a future's callback (DDP's communication hook), torch hands it on as a ``RuntimeError`` with its
-    text; a peer that the same stop ended fails this rank's collective."""
+class StopSignals:
+    """SIGTERM/SIGINT turned into :class:`Stopped`, and the stop this process received (the worker holds it; signal
+    dispositions are the process's, so is this): once a stop came, whatever ends the rank ends it because of the stop.
+    The handler's ``Stopped`` can come out in another form: raised while Python ran a future's callback (DDP's
+    communication hook), torch hands it on as a ``RuntimeError`` with its text; a peer that the same stop ended fails
+    this rank's collective."""
 
-    stop: Stopped | None = None
+    def __init__(self) -> None:
+        self.received: Stopped | None = None
+        signal.signal(signal.SIGTERM, self._raise_stopped)
+        signal.signal(signal.SIGINT, self._raise_stopped)
+
+    def _raise_stopped(self, signum: int, _frame: FrameType | None) -> None:
+        # Only the first: a stop reaches a rank more than once (make stop signals the rank and its launch's process
+        # group, and torchrun's agent passes its own SIGTERM on), and a second Stopped would cut short the rank's
+        # record of why it ended. SIGKILL stays the hard stop.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.received = Stopped(f"{signal.Signals(signum).name} received")
+        raise self.received
+
+    def stopped(self) -> bool:
+        return self.received is not None
 
 
-def _raise_stopped(signum: int, _frame: FrameType | None) -> None:
-    # Only the first: a stop reaches a rank more than once (make stop signals the rank and its launch's process group,
-    # and torchrun's agent passes its own SIGTERM on), and a second Stopped would cut short the rank's record of why
-    # it ended. SIGKILL stays the hard stop.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _Received.stop = Stopped(f"{signal.Signals(signum).name} received")
-    raise _Received.stop
-
-
-def stop_on_signals() -> None:
+def stop_on_signals() -> StopSignals:
     """Turn SIGTERM/SIGINT into :class:`Stopped`, so that a stopped rank records why it ended."""
-    signal.signal(signal.SIGTERM, _raise_stopped)
-    signal.signal(signal.SIGINT, _raise_stopped)
+    return StopSignals()
 
 
-def kind_of(exc: BaseException) -> str:
+def kind_of(exc: BaseException, stopped: bool = False) -> str:
+    """The failure's kind; ``stopped``: a stop reached the rank (whatever carried it out is the stop)."""
     if isinstance(exc, ConfigError):
         return "config"
     if isinstance(exc, NonFiniteError):
         return "non_finite"
-    if isinstance(exc, Stopped) or _Received.stop is not None:
+    if isinstance(exc, Stopped) or stopped:
         return "stopped"
     if isinstance(exc, RejoinError):
         return "rejoin"
     if isinstance(exc, torch.OutOfMemoryError | MemoryError):
         return "oom"
-    if isinstance(exc, dist.DistError | TimeoutError | ConnectionError):
-        return "collective"
-    text = str(exc).lower()
-    if isinstance(exc, RuntimeError) and any(word in text for word in _COLLECTIVE_WORDS):
+    if health.collective_error(exc):
         return "collective"
     return "error"
 
@@ -115,11 +116,13 @@ def one_line(exc: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def record(run_dir: Path, exc: BaseException, host: str, rank: int, step: int | None) -> Failure:
+def record(run_dir: Path, exc: BaseException, host: str, rank: int, step: int | None,
+           signals: StopSignals | None = None) -> Failure:  # fmt: skip
     """Append this rank's failure to its host's failures.jsonl; returns it."""
-    cause = exc if isinstance(exc, Stopped) else _Received.stop or exc  # what carried a stop out is not its cause
+    received = signals.received if signals is not None else None
+    cause = exc if isinstance(exc, Stopped) else received or exc  # what carried a stop out is not its cause
     failure = Failure(
-        kind=kind_of(exc),
+        kind=kind_of(exc, received is not None),
         message=one_line(cause),
         host=host,
         rank=rank,

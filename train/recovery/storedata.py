@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from train.recovery import jobkey
-from train.recovery.regroup import Membership
+from train.recovery.group import Group
 
 MAX_RANKS_PER_HOST = 64  # torchrun's ranks of one host: GPUs, or CPU processes
 HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}\Z")
@@ -60,26 +60,24 @@ def request(raw: bytes | str, key: bytes) -> Request | str:
     return Request(host, ranks, store, job_hash)
 
 
-def membership_fields(proposal: Membership) -> dict[str, Any]:
-    return {"generation": proposal.generation, "hosts": list(proposal.hosts), "main": proposal.main}
-
-
-def membership(raw: bytes | str, hosts: tuple[str, ...], generation: int, key: bytes) -> Membership | str:
-    """A membership the survivors of ``hosts`` could have proposed for ``generation``, proven with the run's key, or
-    why not."""
+def membership(raw: bytes | str, current: Group, generation: int, key: bytes) -> Group | str:
+    """The group after ``current`` that its survivors could have proposed for ``generation``, proven with the run's
+    key, or why not."""
     try:
         data = _text(raw)
-        found = Membership(int(data["generation"]), tuple(data["hosts"]), data["main"])
+        found = (int(data["generation"]), tuple(data["hosts"]), data["main"])
         proof = data.get("proof")
     except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
         return "not a membership"
-    if found.generation != generation:
-        return f"generation {found.generation}, not {generation}"
-    in_order = [h for h in hosts if h in set(found.hosts)]
-    if not found.hosts or list(found.hosts) != in_order or len(in_order) != len(found.hosts):
-        return f"hosts {[str(h)[:60] for h in found.hosts[:8]]} are not survivors of {list(hosts)} in their order"
-    if found.main not in found.hosts:
-        return f"main host {str(found.main)[:60]!r} is not one of them"
-    if not jobkey.proves(key, membership_fields(found), proof):
+    found_generation, hosts, main = found
+    if found_generation != generation:
+        return f"generation {found_generation}, not {generation}"
+    in_order = [h for h in current.members if h in set(hosts)]
+    if not hosts or list(hosts) != in_order or len(in_order) != len(hosts):
+        return f"hosts {[str(h)[:60] for h in hosts[:8]]} are not survivors of {list(current.members)} in their order"
+    if main not in hosts:
+        return f"main host {str(main)[:60]!r} is not one of them"
+    proposed = current.survivors(generation, hosts, main)
+    if not jobkey.proves(key, proposed.proposal(), proof):
         return f"not proven with the run's key ({jobkey.FILE})"
-    return found
+    return proposed

@@ -44,7 +44,7 @@ ACTIVE_JOB = "active-job"
 ATTEMPT = "attempt"
 # Each failed rank's cause, one JSON line each (train/recovery/failure.py FAILURES).
 FAILURES = "failures.jsonl"
-# The hosts this host's ranks cannot reach (train/recovery/regroup.py Heartbeat).
+# The hosts this host's ranks cannot reach (train/recovery/watch.py Heartbeat).
 PEERS = "peers.json"
 # When a controller that follows the run last asked this host, and how often it asks: while it is recent the ranks
 # leave a lost host to the controller's word, after it they agree among themselves (train/recovery/consensus.py).

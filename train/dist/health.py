@@ -1,0 +1,165 @@
+"""Whether the rank's process group can still be used, and the wait on a collective that ends when it cannot.
+
+A group breaks when a peer is lost: a collective fails (a peer reset the connection), or whatever watches the group
+(train/recovery/watch.py: the controller's proposal file, the peers' heartbeat) declares it broken with ``fail``.
+Then every wait on it ends at once: groups with NCCL's semantics are aborted (their collectives end with an error,
+as NCCL's watchdog ends them), and a wait on gloo's is left (``comm.result``), so that no rank waits for a dead peer
+until the collective timeout. The rank then learns who is left and forms a new group (train/recovery/membership.py);
+``renewed`` makes the health that of the new group.
+
+One ``GroupHealth`` per rank, held by its membership and handed to whatever waits on collectives (the step's
+exchange, DDP's hook, the held-out loss, the pipeline's exchanges). Where nobody watches the group (one host),
+``watched`` is False and a wait is ``comm.result`` itself: a failed collective is the rank's failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from train.dist import comm
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SETTLE_POLL_S = 0.2
+
+
+class GroupLost(RuntimeError):
+    """The process group lost a member: a collective failed, or the group was declared broken."""
+
+
+# Text of collective errors that gloo and NCCL raise as plain RuntimeError.
+COLLECTIVE_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe")
+
+
+def collective_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed collective (a peer reset the connection, a communicator aborted, a timeout)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    if isinstance(exc, dist.DistError | TimeoutError | ConnectionError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(word in text for word in COLLECTIVE_WORDS)
+
+
+def one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+class GroupHealth:
+    """The rank's current group: broken or not, why, and the collectives waited on now (see the module)."""
+
+    def __init__(self, stopped: Callable[[], bool] = lambda: False) -> None:
+        self.stopped = stopped  # whether a stop reached the rank: then a failed wait is the stop's, no lost peer
+        self.watched = False  # set once something watches the group (several hosts): then it may break
+        self.broken: str | None = None  # why the current group cannot be used any more
+        self.breaks = threading.Event()  # set with ``broken``: every wait ends
+        self.abandoned: list[Any] = []  # works of broken groups, maybe still pending
+        self._waiting: set[Any] = set()  # the works a wait is on now (gloo's, which no abort ends)
+        self._lock = threading.RLock()
+
+    def fail(self, why: str) -> None:
+        """The current group is broken: every wait on it ends now. Groups with NCCL's semantics are aborted (from the
+        caller's thread, as NCCL's watchdog does): a collective of theirs waiting for a lost peer ends with an error,
+        and a host blocked reading its result is released. A gloo wait is left at once (``comm.result``)."""
+        with self._lock:
+            first = self.broken is None
+            self.broken = self.broken or why
+            self.breaks.set()
+            self.abandoned += [work for work in self._waiting if not work.is_completed()]
+        if first:
+            try:
+                comm.abort_all()
+            except Exception as exc:  # the rank's own thread may be replacing the groups: it leaves them itself
+                log.warning("could not abort the broken group's communicators: %s", one_line(exc))
+
+    def renewed(self) -> None:
+        """The rank is in a new group: nothing is broken."""
+        with self._lock:
+            self.broken = None
+            self.breaks.clear()
+
+    def settle(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``, the collective timeout) until the collectives of broken groups have ended,
+        so that the broken groups the membership keeps can be destroyed at exit without waiting on them."""
+        deadline = time.monotonic() + timeout_s
+        while any(not w.is_completed() for w in self.abandoned) and time.monotonic() < deadline:
+            time.sleep(SETTLE_POLL_S)
+
+    def intact(self) -> None:
+        """GroupLost if the current group was declared broken (before a collective is queued on it)."""
+        if self.broken is not None:
+            raise GroupLost(self.broken)
+
+    def lost(self, exc: BaseException) -> bool:
+        """Whether ``exc`` ended a step because the group lost a member (then the rank may go on in a new group).
+        Any failed collective counts, also one not waited on through ``result``: gloo raises a plain RuntimeError
+        for a peer that reset the connection during a blocking one."""
+        if not self.watched:
+            return False
+        if isinstance(exc, GroupLost) or self.broken is not None:
+            return True
+        if self.peer_lost(exc):
+            self.fail(f"a collective failed: {one_line(exc)}")
+            return True
+        return False
+
+    def peer_lost(self, exc: BaseException) -> bool:
+        """``exc`` is a collective that failed because of a peer, not a stop that reached this rank meanwhile."""
+        return collective_error(exc) and not self.stopped() and not isinstance(exc, GroupLost)
+
+    def wait(self, works: dist.Work | list[dist.Work] | None) -> None:
+        """``result`` without a value: the collectives ended (their results, landed, are read by what follows)."""
+        self.result(works, lambda: None)
+
+    def result(self, works: dist.Work | list[dist.Work] | None, read: Callable[[], T]) -> T:
+        """Wait for collectives started with ``async_op=True`` and read their result (``comm.result``: the one way);
+        GroupLost if one fails or the group is declared broken meanwhile.
+
+        The wait ends at once when the group is declared broken, and a signal reaches the rank while it waits: a rank
+        waiting for a peer that a stop already ended still turns the stop's SIGTERM into ``Stopped`` and records it
+        (train/recovery/failure.py), instead of waiting until the collective timeout or torchrun kills it."""
+        if not self.watched:
+            return comm.result(works, read)
+        listed = [works] if isinstance(works, dist.Work) else list(works or [])
+        self.intact()
+        with self._lock:
+            self._waiting.update(listed)
+        try:
+            return comm.result(listed, read, self.breaks)
+        except comm.BrokenGroup as exc:
+            raise GroupLost(self.broken or str(exc)) from None
+        except Exception as exc:
+            if not self.peer_lost(exc) and self.broken is None:
+                raise
+            if self.broken is None:  # the collective itself failed: a peer reset the connection, or timed out
+                self.fail(f"a collective failed: {one_line(exc)}")
+            raise GroupLost(self.broken or one_line(exc)) from exc
+        finally:
+            with self._lock:
+                self._waiting.difference_update(listed)
+
+    def gather_objects(self, obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+        """Collective: every rank's ``obj`` (picklable), by rank, as ``dist.all_gather_object`` gives them, but in two
+        collectives a broken group abandons (``result``) where that one blocks until the collective timeout. CPU
+        tensors: ``group`` must be a gloo group (the default one on CPU; ``comm.control_group()`` beside NCCL)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        world = dist.get_world_size(group)
+        sizes = [comm.zeros(1, torch.int64, group) for _ in range(world)]
+        work = comm.all_gather(sizes, comm.tensor([data.numel()], torch.int64, group), group, async_op=True)
+        lengths = self.result(work, lambda: [int(size) for size in sizes])
+        padded = comm.zeros(max(lengths), torch.uint8, group)
+        padded[: data.numel()] = data
+        gathered = [comm.zeros(max(lengths), torch.uint8, group) for _ in range(world)]
+        blobs = self.result(comm.all_gather(gathered, padded, group, async_op=True),
+                            lambda: [t[:n].cpu().numpy().tobytes() for t, n in zip(gathered, lengths, strict=True)])  # fmt: skip
+        return [pickle.loads(blob) for blob in blobs]
