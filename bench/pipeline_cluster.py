@@ -117,7 +117,7 @@ def run(steps: int = 12, skip: int = 2) -> None:
         config = JobConfig.model_validate(pp_job)
         basemodel.ensure(REPO / config.model.source)  # its config.json sizes the plan (a fresh clone has none yet)
         shape = stageplan.read_shape(config, REPO)
-        whole = stageplan.estimate(shape, config, shape.layers, True, True, 1, "cpu")
+        whole = stageplan.estimate(shape, config, stageplan.Span(shape.layers), "cpu")
         cap = round(whole.total * 0.92, 2)  # below the whole model's estimated need
         members = [stageplan.Member(f"tb{i}", cap, device="cpu", rank_local=config.rank_local) for i in (1, 2, 3)]
         planned = stageplan.plan(config, shape, members)

@@ -2,7 +2,7 @@
 
 For what reads a host's runs/ (the node exporter, the dashboard's sources) in the tests and in
 ``make bench-exporter``: ``runs/active-job`` naming the job and a live process of it, run.json, metrics and
-eval rows, and two ranks' own figures (written by the trainer's own ``write_rank_status``).
+eval rows, and two ranks' own figures (written by the trainer's own ``RankStatus``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from train.metrics import rank_figures, write_rank_status
+from train.metrics import RankStatus, rank_figures
 
 JOB_ID = "plant-20260101-000000"
 
@@ -44,8 +44,7 @@ def plant_run(
     figures = rank_figures([host, host], [5, 3], [0.5, 0.25], [1000, 600])
     for rank in (0, 1):
         (host_dir / f"worker-rank{rank}.pid").write_text(f"{worker_pid}\n")
-        write_rank_status(
-            run,
+        RankStatus(
             host,
             rank,
             step,
@@ -54,5 +53,5 @@ def plant_run(
             figures,
             f"stage {rank + 1}/2, layers {rank * 15}-{rank * 15 + 14}",
             f"cuda: NVIDIA GeForce RTX 4070, 7.6 GiB (GPU {rank})",
-        )
+        ).write(run)
     return run

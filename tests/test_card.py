@@ -15,7 +15,7 @@ from helpers import small_job
 from train.balance.planner import make_plan
 from train.config import JobConfig
 from train.layout.topology import Layout, Replica, Stage
-from train.metrics import rank_figures, write_rank_status, write_status
+from train.metrics import RankStatus, rank_figures, write_status
 from ugro.model.card import render_card
 from ugro.run.records import Cause, Restart
 
@@ -134,8 +134,8 @@ def plant_run(repo: Path, *, recorded: bool = True) -> Path:
     figures = rank_figures(status["hosts"], [4, 2, 2], [1.0, 1.1, 1.05], [4000, 2000, 2000])
     for rank, host in enumerate(status["hosts"]):
         (run_dir / "hosts" / host).mkdir(parents=True)
-        write_rank_status(run_dir, host, rank, 30, 30, 2.7, figures, layout.describe_rank(rank),
-                          devices[rank] if recorded else None)  # fmt: skip
+        RankStatus(host, rank, 30, 30, 2.7, figures, layout.describe_rank(rank),
+                   devices[rank] if recorded else None).write(run_dir)  # fmt: skip
         if not recorded:  # older rank files have neither key
             path = run_dir / "hosts" / host / f"rank{rank}.json"
             old = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("device", "part")}

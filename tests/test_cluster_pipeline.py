@@ -41,7 +41,7 @@ def capped(testbed: Any, cluster: Path, repo_jobs: Path) -> Iterator[tuple[Path,
                       rank_local={"micro_batch_size": 1})  # fmt: skip
     config = load_job(job)
     shape = stageplan.read_shape(config, REPO)
-    whole = stageplan.estimate(shape, config, shape.layers, True, True, 1, "cpu").total
+    whole = stageplan.estimate(shape, config, stageplan.Span(shape.layers), "cpu").total
     cap = round(whole - 0.002, 4)  # just below the whole model's need
     members = [stageplan.Member(f"tb{i}", cap, device="cpu", rank_local=config.rank_local) for i in (1, 2, 3)]
     assert len(stageplan.plan(config, shape, members).replicas[0].stages) == 3

@@ -13,7 +13,7 @@ import pytest
 from helpers import REPO, cli
 
 from train.config import JobConfig, StagesConfig, load_job
-from train.layout.stageplan import CUDA_OVERHEAD_GIB, Member, ModelShape, PlanError, estimate, plan
+from train.layout.stageplan import CUDA_OVERHEAD_GIB, Member, ModelShape, PlanError, Span, estimate, plan
 from train.layout.topology import Layout, data_parallel
 from train.model import headchunks
 
@@ -63,27 +63,27 @@ def test_the_model_shape_comes_from_config_json() -> None:
 
 
 def test_the_estimate_follows_quantization_checkpointing_and_the_stage_position() -> None:
-    whole = estimate(SMOLLM, DEFAULT, 30, True, True, 1, "cpu")
+    whole = estimate(SMOLLM, DEFAULT, Span(30, True, True, 1), "cpu")
     assert whole.total == pytest.approx(
         whole.weights + whole.embedding + whole.lora + whole.activations + whole.loss + whole.overhead
     )
     four_bit = estimate(SMOLLM, _with(DEFAULT, model=DEFAULT.model.model_copy(update={"quantization": "4bit"})),
-                        30, True, True, 1, "cuda")  # fmt: skip
+                        Span(30, True, True, 1), "cuda")  # fmt: skip
     assert four_bit.weights < whole.weights / 6  # NF4 against fp32
     local = DEFAULT.rank_local.model_copy(update={"gradient_checkpointing": True})
-    assert estimate(SMOLLM, _with(DEFAULT, rank_local=local), 30, True, True, 1, "cpu").activations < (
+    assert estimate(SMOLLM, _with(DEFAULT, rank_local=local), Span(30, True, True, 1), "cpu").activations < (
         whole.activations / 5
     )
-    middle = estimate(SMOLLM, DEFAULT, 10, False, False, 2, "cpu")
+    middle = estimate(SMOLLM, DEFAULT, Span(10, False, False, 2), "cpu")
     assert middle.embedding == 0 and middle.loss == 0  # a middle stage: a one-row stub, no head
-    first = estimate(SMOLLM, DEFAULT, 10, True, False, 2, "cpu")
+    first = estimate(SMOLLM, DEFAULT, Span(10, True, False, 2), "cpu")
     assert first.embedding > 0 and first.loss == 0
     # Activations grow with the micro-batches a 1F1B stage keeps in flight.
-    assert estimate(SMOLLM, DEFAULT, 10, False, False, 3, "cpu").activations > middle.activations
+    assert estimate(SMOLLM, DEFAULT, Span(10, False, False, 3), "cpu").activations > middle.activations
     qwen = ModelShape.from_dir(REPO / "models" / "configs" / "qwen2.5-14b")
     job = load_job(QWEN14)
-    untied_last = estimate(qwen, job, 10, False, True, 1, "cuda")
-    assert untied_last.embedding == pytest.approx(2 * estimate(qwen, job, 10, True, False, 1, "cuda").embedding)
+    untied_last = estimate(qwen, job, Span(10, False, True, 1), "cuda")
+    assert untied_last.embedding == pytest.approx(2 * estimate(qwen, job, Span(10, True, False, 1), "cuda").embedding)
 
 
 def test_the_default_job_on_roomy_ranks_is_data_parallel() -> None:
@@ -103,7 +103,7 @@ def test_capped_memories_give_stages_whose_estimates_fit() -> None:
         count = len(replica.stages)
         for index, stage in enumerate(replica.stages):
             flight = min(count - index, steps)  # a 1F1B stage keeps this many micro-batches in flight
-            again = estimate(SMOLLM, DEFAULT, stage.end - stage.start, index == 0, index == count - 1, flight,
+            again = estimate(SMOLLM, DEFAULT, Span(stage.end - stage.start, index == 0, index == count - 1, flight),
                              "cpu").total  # fmt: skip
             assert stage.peak_gib == pytest.approx(again, abs=0.01)
             assert stage.peak_gib <= stage.memory_gib == members[stage.rank].memory_gib
@@ -173,7 +173,7 @@ def test_each_backend_has_its_own_memory_and_the_loss_holds_one_chunk_of_logits(
     job = load_job(LLAMA8)
 
     def whole(backend: str, micro: int = 1, shape: ModelShape = LLAMA8_SHAPE) -> Any:
-        return estimate(shape, job, shape.layers, True, True, 1, "cuda", micro=micro, backend=backend)
+        return estimate(shape, job, Span(shape.layers, True, True, 1), "cuda", micro=micro, backend=backend)
 
     unsloth, hf = whole("unsloth"), whole("hf")
     # peft's prepare_model_for_kbit_training keeps what bitsandbytes did not quantize in fp32; unsloth in bf16.
@@ -212,7 +212,7 @@ def test_the_8b_estimate_is_within_a_tenth_of_what_an_h100_measured(
     if chunk_mib is not None:
         monkeypatch.setattr(headchunks, "CUDA_CHUNK_BYTES", chunk_mib * 2**20)
     shape = replace(LLAMA8_SHAPE, whole_logits=all_logits)
-    found = estimate(shape, load_job(LLAMA8), shape.layers, True, True, 1, "cuda", micro=1, backend=backend)
+    found = estimate(shape, load_job(LLAMA8), Span(shape.layers, True, True, 1), "cuda", micro=1, backend=backend)
     assert abs(found.total - CUDA_OVERHEAD_GIB - measured) <= 0.10 * measured, found
 
 
@@ -274,31 +274,28 @@ def test_make_plan_offline_shows_the_reference_clusters_stages() -> None:
     assert "needs ~" in refused.stderr and "25.4 GiB" in refused.stderr
 
 
-def test_make_train_refuses_a_model_the_hosts_cannot_hold_before_launch(capsys: pytest.CaptureFixture[str]) -> None:
+def test_make_train_refuses_a_model_the_hosts_cannot_hold_before_launch() -> None:
     """What `make train` / `make validate` do with the fast preflight's facts (here one CPU host with 16 GiB free):
     Llama-3-70B is refused with the arithmetic, exit 2; the default job passes and is left to the ranks."""
-    import typer
-
-    from ugro import cli as ugro_cli
+    from ugro.checks.prelaunch import plan_before_launch
+    from ugro.run.launch import Refused
 
     facts: dict[str, dict[str, object]] = {"localhost": {"gpu": {"gpus": []}, "memory": {"available_bytes": 16 << 30}}}
     inventory = REPO / "inventory" / "local.yml"
     big = REPO / "jobs" / "llama-3-70b-qlora.example.yaml"
-    with pytest.raises(typer.Exit) as refused:
-        ugro_cli._plan_before_launch(inventory, load_job(big), big, facts, {"localhost": 2})
-    assert refused.value.exit_code == 2
-    flat = " ".join(capsys.readouterr().err.split())
+    with pytest.raises(Refused) as refused:
+        plan_before_launch(inventory, load_job(big), big, facts, {"localhost": 2})
+    assert refused.value.code == 2
+    flat = " ".join(refused.value.message.split())
     assert "llama-3-70b (80 layers, 4-bit) needs ~" in flat and "even cut into stages" in flat, flat
     default = REPO / "jobs" / "default.yaml"
-    ugro_cli._plan_before_launch(inventory, load_job(default), default, facts, {"localhost": 2})
+    plan_before_launch(inventory, load_job(default), default, facts, {"localhost": 2})
     # The reference cluster as its GPUs answer: the 8B job launches data parallel, and says which rank's
     # micro-batch is smaller than its profile's.
-    capsys.readouterr()
     cards = {"master": 12227, "node4070": 8188, "node3070": 8192}
     gpu_facts: dict[str, dict[str, object]] = {h: {"gpu": {"gpus": [{"memory_mib": m}]}} for h, m in cards.items()}
-    ugro_cli._plan_before_launch(REPO / REFERENCE, load_job(LLAMA8), LLAMA8, gpu_facts, dict.fromkeys(cards, 1))
-    said = " ".join(capsys.readouterr().out.split())
-    assert "data parallel, micro-batches node4070 at 1 instead of 2" in said, said
+    said = plan_before_launch(REPO / REFERENCE, load_job(LLAMA8), LLAMA8, gpu_facts, dict.fromkeys(cards, 1))
+    assert "data parallel, micro-batches node4070 at 1 instead of 2" in " ".join(str(said).split()), said
 
 
 def _set_partitions(items: list[int]) -> Any:
@@ -338,7 +335,7 @@ def _brute_best(job: JobConfig, shape: ModelShape, members: list[Member]) -> flo
                 m = max(1, math.ceil(job.train.global_batch_size / len(partition) / micro))
                 for counts in _compositions(shape.layers, stages):
                     fits = all(
-                        estimate(shape, job, n, i == 0, i == stages - 1, min(stages - i, m), members[r].device,
+                        estimate(shape, job, Span(n, i == 0, i == stages - 1, min(stages - i, m)), members[r].device,
                                  micro=micro, backend="hf").total <= members[r].memory_gib
                         for i, (r, n) in enumerate(zip(order, counts, strict=True))
                     )  # fmt: skip
@@ -363,8 +360,8 @@ SMALL = ModelShape(model_type="llama", layers=8, hidden=1024, intermediate=4096,
 def test_the_plan_is_as_fast_as_the_best_of_every_layout(seed: int) -> None:
     """Four ranks with random memories between a one-layer stage's and the whole model's and random speeds: the
     plan's throughput is the best that trying every layout finds, and every stage of it fits its rank."""
-    whole = estimate(SMALL, DEFAULT, SMALL.layers, True, True, 1, "cuda", micro=1).total
-    low = max(estimate(SMALL, DEFAULT, 1, first, not first, 4, "cuda").total for first in (True, False))
+    whole = estimate(SMALL, DEFAULT, Span(SMALL.layers), "cuda", micro=1).total
+    low = max(estimate(SMALL, DEFAULT, Span(1, first, not first, 4), "cuda").total for first in (True, False))
     chooser = random.Random(seed)
     members = [Member(f"h{i}", round(low + (whole - low) * chooser.uniform(0.05, 0.95), 3),
                       speed=chooser.choice([1.0, 0.7, 0.5])) for i in range(4)]  # fmt: skip
@@ -387,7 +384,7 @@ def test_unsloth_packing_counts_the_joined_rows_dense_attention() -> None:
 
     def activations(micro: int, backend: str, packing: bool = True) -> float:
         packed = _with(job, data=job.data.model_copy(update={"packing": packing}))
-        return estimate(LLAMA8_SHAPE, packed, layers, True, True, 1, "cuda", micro=micro, backend=backend).activations
+        return estimate(LLAMA8_SHAPE, packed, Span(layers), "cuda", micro=micro, backend=backend).activations
 
     dense = activations(4, "unsloth") - 4 * activations(1, "unsloth")
     assert 1.8 < dense < 2.4  # GiB: the one layer recomputed at a time under checkpointing, and the mask

@@ -26,11 +26,11 @@ from train.layout import engine, placement
 from train.layout.topology import Layout
 from train.metrics import (
     MetricsWriter,
+    RankStatus,
     last_logged_step,
     plot_loss,
     rank_figures,
     take_over,
-    write_rank_status,
     write_samples,
     write_status,
 )
@@ -253,8 +253,8 @@ class Rank:
             progress.regrouped["weights"] = {"step": done, "sha256": weights_digest(self.trainable)}
             progress.weights_due = False
         total = self.job.train.max_steps
-        write_rank_status(self.run_dir, info.host, info.rank, done, total, loss, figures, self.part, self.device,
-                          progress.regrouped)  # fmt: skip
+        RankStatus(info.host, info.rank, done, total, loss, figures, self.part, self.device,
+                   progress.regrouped).write(self.run_dir)  # fmt: skip
         epoch = self.sampler.epoch_of(done)
         if self.shadow is not None:
             self.shadow.log(done, loss, tokens, lr, grad_norm, epoch, figures)

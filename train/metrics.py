@@ -6,6 +6,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -164,49 +165,51 @@ def rank_figures(
     }
 
 
-def write_rank_status(
-    run_dir: Path,
-    host: str,
-    rank: int,
-    step: int,
-    total_steps: int,
-    loss: float,
-    figures: dict[str, list[Any]],
-    part: str = "the whole model",
-    device: str | None = None,
-    regrouped: dict[str, Any] | None = None,
-) -> None:
-    """This rank's latest figures into ``hosts/<host>/rank<N>.json`` on its own host, atomically, every step:
+@dataclass(frozen=True)
+class RankStatus:
+    """This rank's latest figures, written into ``hosts/<host>/rank<N>.json`` on its own host, atomically, every step:
     what the node exporter (ugro/module_utils/ugro_exporter.py) serves for the ranks of its host, what
     ``make status`` says the rank computes (``part``: the whole model, or its pipeline stage and layers), and the
     device it computes on (``device``: train/layout/engine.py ``device_name``, what the model card names); after a
-    regroup, its generation, attempt, the step it continued from, and the digest of the rank's weights at the first step
-    in the new group (``regrouped``; the controller settles the restart from it when the main host cannot answer)."""
+    change of group, its generation, attempt, the step it continued from, and the digest of the rank's weights at the
+    first step in the new group (``regrouped``; the controller settles the restart from it when the main host cannot
+    answer)."""
 
-    def own(key: str) -> Any:
-        values = figures.get(key, [])
-        return values[rank] if rank < len(values) else None
+    host: str
+    rank: int
+    step: int
+    total_steps: int
+    loss: float
+    figures: dict[str, list[Any]]  # ``rank_figures``: every rank's share, ready time, tokens/s
+    part: str = "the whole model"
+    device: str | None = None
+    regrouped: dict[str, Any] | None = None
 
-    record = {
-        "job": run_dir.name,
-        "host": host,
-        "rank": rank,
-        "world_size": len(figures.get("share", [])),
-        "step": step,
-        "total_steps": total_steps,
-        "loss": round(loss, 6),
-        "share": own("share"),
-        "ready_s": own("ready_s"),
-        "tokens_per_s": own("tokens_per_s"),
-        "part": part,
-        "device": device,
-        "regrouped": regrouped,
-        "time": time.time(),
-    }
-    path = run_dir / "hosts" / host / RANK_STATUS.format(rank=rank)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    def _own(self, key: str) -> Any:
+        values = self.figures.get(key, [])
+        return values[self.rank] if self.rank < len(values) else None
+
+    def write(self, run_dir: Path) -> None:
+        record = {
+            "job": run_dir.name,
+            "host": self.host,
+            "rank": self.rank,
+            "world_size": len(self.figures.get("share", [])),
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "loss": round(self.loss, 6),
+            "share": self._own("share"),
+            "ready_s": self._own("ready_s"),
+            "tokens_per_s": self._own("tokens_per_s"),
+            "part": self.part,
+            "device": self.device,
+            "regrouped": self.regrouped,
+            "time": time.time(),
+        }
+        path = run_dir / "hosts" / self.host / RANK_STATUS.format(rank=self.rank)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
 
 
 def read_eval(run_dir: Path) -> list[dict[str, Any]]:

@@ -198,20 +198,28 @@ def _joined_attention(shape: ModelShape, job: JobConfig, tokens: int, layers: in
     return float(tokens) * tokens * (1 + 2 * shape.heads * kept)
 
 
+@dataclass(frozen=True)
+class Span:
+    """Where a stage sits: how many decoder layers it holds, whether it is the first (the embedding) and the last (the
+    head and the loss), and how many micro-batches a 1F1B stage keeps in flight (the stages after it, plus one)."""
+
+    layers: int
+    first: bool = True
+    last: bool = True
+    in_flight: int = 1
+
+
 def estimate(
     shape: ModelShape,
     job: JobConfig,
-    layers: int,
-    first: bool,
-    last: bool,
-    in_flight: int,
+    span: Span,
     device_kind: str,
     *,
     micro: int | None = None,
     backend: str = "hf",
 ) -> Estimate:
-    """The peak memory of a stage holding ``layers`` decoder layers (the whole model: first and last, all layers)
-    when ``backend`` ("hf": transformers + peft; "unsloth") trains it.
+    """The peak memory of a stage holding ``span.layers`` decoder layers (the whole model: ``Span(layers)``, first and
+    last) when ``backend`` ("hf": transformers + peft; "unsloth") trains it.
 
     Assumptions:
 
@@ -239,6 +247,7 @@ def estimate(
     * not counted: the allocator's fragmentation and the display's share of a card (leave them out of the
       rank's ``memory_gib``), the inputs and outputs sent between stages (a few MiB), gradient buckets.
     """
+    layers, first, last, in_flight = span.layers, span.first, span.last, span.in_flight
     cb = DTYPE_BYTES[job.model.dtype]
     four_bit = job.model.quantization == "4bit"
     wb = NF4_BYTES if four_bit else cb
@@ -364,7 +373,7 @@ class _Planner:
         """A stage's estimate; a whole model (first and last) is trained by the member's backend, a stage by
         transformers + peft (train/layout/engine.py)."""
         backend = kind.backend if first and last else "hf"
-        return estimate(self.shape, self._job(kind), layers, first, last, in_flight, kind.device, micro=micro,
+        return estimate(self.shape, self._job(kind), Span(layers, first, last, in_flight), kind.device, micro=micro,
                         backend=backend)  # fmt: skip
 
     def capacity(self, kind: _Kind, first: bool, last: bool, in_flight: int, micro: int) -> tuple[int, float, float]:

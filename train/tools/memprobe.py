@@ -103,7 +103,7 @@ def _estimate_bytes(job: Any, code_dir: Path, device_kind: str, backend: str) ->
         shape = stageplan.read_shape(job, code_dir)
     except stageplan.PlanError:
         return None  # a hub model: no local config.json to size it from
-    found = stageplan.estimate(shape, job, shape.layers, True, True, 1, device_kind, backend=backend)
+    found = stageplan.estimate(shape, job, stageplan.Span(shape.layers), device_kind, backend=backend)
     return int(found.total * stageplan.GIB)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from train.config import ConfigError, JobConfig, RankLocalConfig, apply_profile, check_profile
-from train.layout.stageplan import GIB, Member, PlanError, estimate, plan, read_shape
+from train.layout.stageplan import GIB, Member, PlanError, Span, estimate, plan, read_shape
 from train.layout.topology import Layout
 
 ROLE_DEFAULTS = ("roles/ugro/defaults/main.yml", "roles/memory_profile/defaults/main.yml")
@@ -159,7 +159,7 @@ def whole_estimates(job: JobConfig, repo: Path, host: HostMemory) -> str:
     backends = ["unsloth", "hf"] if host.device == "cuda" else ["hf"]
     parts = []
     for name in backends:
-        found = estimate(shape, local, shape.layers, True, True, 1, host.device, micro=micro, backend=name)
+        found = estimate(shape, local, Span(shape.layers), host.device, micro=micro, backend=name)
         used = ", this job's backend" if name == backend(job, host.device) else ""
         parts.append(f"~{found.total:.1f} GiB with {names[name]}{used} ({found.parts()})")
     return f"{host.host}: the whole model at micro-batch {micro}: " + "; ".join(parts)
