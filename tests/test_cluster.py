@@ -7,6 +7,7 @@ have interfaces named enp5s0 and ens3, so per-host interface detection is really
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from helpers import (
     REPO,
     Run,
@@ -200,3 +202,30 @@ def test_a_global_batch_smaller_than_the_ranks_is_refused_before_anything_starts
         assert not list(runs_dir().glob("ranks-test-*")), "nothing may start"
     finally:
         job.unlink()
+
+
+def test_an_inventory_with_an_unreachable_host_is_refused_naming_it_before_the_plan(
+    cluster: Path, repo_jobs: Path, ugro: Run
+) -> None:
+    """A fourth host that does not answer (an address of the test subnet that no host holds): `make train` refuses
+    the launch naming it and how to fix it, before the memory plan could count it as a card of 0 GiB; nothing
+    starts."""
+    data = yaml.safe_load(cluster.read_text())
+    hosts = data["all"]["children"]["ugro_cluster"]["hosts"]
+    nobody = str(ipaddress.IPv4Interface(f"{hosts['tb3']['ansible_host']}/24").network[250])
+    hosts["tb4"] = hosts["tb3"] | {"ansible_host": nobody, "ugro_cluster_address": nobody}
+    inventory = cluster.parent / "cluster-unreachable.yml"
+    inventory.write_text(yaml.safe_dump(data))
+    job = cluster_job(repo_jobs, "unreachable-test")
+    try:
+        result = ugro("train", "--job", str(job), "--inventory", str(inventory), timeout=300)
+        flat = " ".join(result.stderr.split())
+        assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+        assert "not launching: tb4 is unreachable" in flat, flat
+        assert "`ssh tb4`" in flat and f"take tb4 out of ugro_cluster in {inventory}" in flat, flat
+        assert "the cluster has" not in flat and "plan:" not in result.stdout, "refused before the memory plan"
+        assert "Traceback" not in result.stderr
+        assert not list(runs_dir().glob("unreachable-test-*/hosts")), "nothing may start"
+    finally:
+        job.unlink()
+        remove_runs("unreachable-test")

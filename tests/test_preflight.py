@@ -23,7 +23,7 @@ import yaml
 from helpers import REPO, Run, cli, free_port, runs_dir, write_job
 
 from train.tools.allreduce import bus_bandwidth
-from ugro.checks.preflight_checks import judge_fast, memory_cell
+from ugro.checks.preflight_checks import PreflightContext, judge_fast, memory_cell
 from ugro.checks.preflight_network import ephemeral_row, firewall_check, ifname_matches
 from ugro.checks.preflight_report import Cell, Report, Thresholds
 
@@ -107,7 +107,7 @@ def test_kernel_rows_say_what_the_next_boot_needs_and_how_to_fix_it() -> None:
     reports = {h: {"host": {**_facts("2.13.0"), "kernel": k}, "network": network} for h, k in hosts.items()}
     reports["cpu"] = {"host": _facts("2.13.0", gpu=None), "network": network}
     addresses = {h: f"10.0.0.{i + 1}" for i, h in enumerate(reports)}
-    report = judge_fast(reports, {}, list(reports), "ok", addresses, 29500, "h" * 64, {}, Thresholds())
+    report = judge_fast(reports, {}, PreflightContext(list(reports), "ok", addresses, 29500, "h" * 64), Thresholds())
     rows = {c.name: c.cells for c in report.checks}
     assert [rows[r]["ok"].status for r in ("secure boot", "nvidia module", "next kernel")] == ["PASS"] * 3
     assert [rows[r]["cpu"].detail for r in ("secure boot", "nvidia module", "next kernel")] == ["no GPU"] * 3
@@ -123,17 +123,8 @@ def test_kernel_rows_say_what_the_next_boot_needs_and_how_to_fix_it() -> None:
 def test_the_odd_version_out_fails_on_its_host_and_names_the_fix() -> None:
     network: dict[str, Any] = {"listen": {}, "connect": []}
     reports = {h: {"host": _facts("2.9.0" if h == "c" else "2.13.0"), "network": network} for h in "abc"}
-    report = judge_fast(
-        reports,
-        {},
-        ["a", "b", "c"],
-        "a",
-        {"a": "10.0.0.1", "b": "10.0.0.1", "c": "10.0.0.1"},
-        29500,
-        "h" * 64,
-        {},
-        Thresholds(),
-    )
+    addresses = {"a": "10.0.0.1", "b": "10.0.0.1", "c": "10.0.0.1"}
+    report = judge_fast(reports, {}, PreflightContext(["a", "b", "c"], "a", addresses, 29500, "h" * 64), Thresholds())
     torch = report.row("torch").cells
     assert torch["a"].status == torch["b"].status == "PASS" and torch["c"].status == "FAIL"
     assert "2.13.0" in torch["c"].fix and "c" in torch["c"].fix
@@ -145,7 +136,8 @@ def _judge(facts: dict[str, dict[str, Any]], backend: str = "auto") -> Report:
     reports = {h: {"host": f, "network": network} for h, f in facts.items()}
     hosts = list(facts)
     addresses = dict.fromkeys(hosts, "10.0.0.1")
-    return judge_fast(reports, {}, hosts, hosts[0], addresses, 29500, "h" * 64, {}, Thresholds(), backend=backend)
+    context = PreflightContext(hosts, hosts[0], addresses, 29500, "h" * 64)
+    return judge_fast(reports, {}, context, Thresholds(), backend=backend)
 
 
 def test_nodes_may_run_different_pythons_that_have_a_lock_and_unsloth_only_where_there_is_a_gpu() -> None:
@@ -259,7 +251,7 @@ def test_a_host_whose_module_failed_is_unreachable_with_the_modules_fix() -> Non
     failed = {"host": None, "network": None, "error": "b: cannot import psutil. Fix: apt install python3-psutil"}
     reports: dict[str, dict[str, Any]] = {"a": {"host": _facts("2.13.0"), "network": {"listen": {}}}, "b": failed}
     addresses = {"a": "10.0.0.1", "b": "10.0.0.2"}
-    report = judge_fast(reports, {}, ["a", "b"], "a", addresses, 29500, "h" * 64, {}, Thresholds())
+    report = judge_fast(reports, {}, PreflightContext(["a", "b"], "a", addresses, 29500, "h" * 64), Thresholds())
     cell = report.row("reachable").cells["b"]
     assert (cell.status, cell.cause, cell.fix) == ("FAIL", "b: cannot import psutil.", "apt install python3-psutil")
     assert report.row("torch").cells["b"].status == "SKIP" and report.row("torch").cells["a"].status == "PASS"
@@ -416,7 +408,7 @@ def test_the_firewall_row_is_judged_in_the_fast_report() -> None:
     facts = {h: {**_facts("2.13.0"), **_fw(NFT_RULES if h == "a" else None)} for h in MEMBERS}
     network: dict[str, Any] = {"listen": {}, "connect": []}
     reports = {h: {"host": f, "network": network} for h, f in facts.items()}
-    report = judge_fast(reports, {}, list(MEMBERS), "a", MEMBERS, 29500, "h" * 64, {}, Thresholds())
+    report = judge_fast(reports, {}, PreflightContext(list(MEMBERS), "a", MEMBERS, 29500, "h" * 64), Thresholds())
     assert {h: c.status for h, c in report.row("firewall").cells.items()} == {"a": "PASS", "b": "WARN"}
 
 

@@ -18,13 +18,14 @@ from rich.table import Table
 
 from train.config import load_job
 from ugro.checks import jobcheck
-from ugro.checks.preflight_checks import judge_fast, judge_heavy
+from ugro.checks.preflight_checks import PreflightContext, judge_fast, judge_heavy
 from ugro.checks.preflight_network import NETWORK_ROWS
 from ugro.checks.preflight_report import ORDER, Cell, Check, Report, Thresholds
 from ugro.checks.preflight_stack import lock_cuda
 from ugro.hosts import codesync
 from ugro.hosts.playbook import REPO, PlaybookRun, run_playbook
 from ugro.module_utils import ugro_codetree as codetree
+from ugro.run.launch import known_facts
 from ugro.stack import cuda as stack
 
 STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red", "SKIP": "dim"}
@@ -45,17 +46,8 @@ class Outcome:
 
 def launch_facts(outcome: Outcome, code_hash: str) -> dict[str, dict[str, Any]]:
     """Per host, the fast checks' facts that the launch reads instead of asking the host the same again
-    (playbooks/train.yml ``ugro_known_facts``): where they hold the run's state, the files the launch runs and the
-    interface of the host's cluster address, and where the code they saw is the code being launched (the host has
-    the controller's hash, or runs the controller's own checkout). Other hosts answer the launch themselves."""
-    known: dict[str, dict[str, Any]] = {}
-    for host, facts in outcome.facts.items():
-        if not (facts.get("job") and facts.get("files") and (facts.get("cluster") or {}).get("interface")):
-            continue
-        if outcome.code_sync.get(host, True) and (facts.get("code") or {}).get("hash") != code_hash:
-            continue
-        known[host] = facts
-    return known
+    (ugro/run/launch.py ``known_facts``)."""
+    return known_facts(outcome.facts, outcome.code_sync, code_hash)
 
 
 def backend_problems(facts: dict[str, dict[str, Any]], backend: str) -> list[str]:
@@ -116,20 +108,16 @@ def run_fast(
     hosts: list[str] = list(ctx["hosts"])
     reports = {h: dict(run.facts[h]["preflight_report"]) for h in hosts if "preflight_report" in run.facts.get(h, {})}
     own = {h: run.facts.get(h, {}).get("preflight_context", ctx) for h in hosts}
-    code_sync = {h: bool(c["code_sync"]) for h, c in own.items()}
-    report = judge_fast(
-        reports,
-        dict(run.failures),
+    cluster = PreflightContext(
         hosts,
         ctx["main_host"],
         dict(ctx["addresses"]),
         int(ctx["rendezvous_port"]),
         controller_hash,
-        code_sync,
-        thresholds,
-        {h: str(c.get("python", "ugro_python")) for h, c in own.items()},
-        backend=backend,
+        code_sync={h: bool(c["code_sync"]) for h, c in own.items()},
+        python_of={h: str(c.get("python", "ugro_python")) for h, c in own.items()},
     )
+    report = judge_fast(reports, dict(run.failures), cluster, thresholds, backend=backend)
     return report, run
 
 

@@ -12,6 +12,7 @@ own (disk, a job already running) and the heavy phase's; the others are by conce
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from ugro.checks.preflight_kernel import kernel_rows
@@ -70,17 +71,26 @@ def _running_row(facts: dict[str, dict[str, Any]]) -> Check:
     return check
 
 
+@dataclass(frozen=True)
+class PreflightContext:
+    """What the fast phase's playbook says of the cluster, beside each host's report: the hosts in node-rank
+    order, the main host, each host's cluster address, the rendezvous port, the controller's code hash, where
+    the launch syncs the code (host -> bool, default yes), and each host's job Python (for the messages)."""
+
+    hosts: list[str]
+    main_host: str
+    addresses: dict[str, str]
+    port: int
+    controller_hash: str
+    code_sync: dict[str, bool] = field(default_factory=dict)
+    python_of: dict[str, str] = field(default_factory=dict)
+
+
 def judge_fast(
     reports: dict[str, dict[str, Any]],
     unreachable: dict[str, str],
-    hosts: list[str],
-    main_host: str,
-    addresses: dict[str, str],
-    port: int,
-    controller_hash: str,
-    code_sync: dict[str, bool],
+    cluster: PreflightContext,
     thresholds: Thresholds,
-    python_of: dict[str, str] | None = None,
     backend: str = "auto",
     cuda: tuple[str | None, str] | None = None,
 ) -> Report:
@@ -89,44 +99,74 @@ def judge_fast(
     ``backend`` is the job's model.backend; ``cuda`` the CUDA runtime torch runs on the GPU hosts (and why
     there is none), by default the node lock's (``lock_cuda``).
     """
-    report = Report(hosts, main_host)
-    python_of = python_of or {}
+    report = Report(cluster.hosts, cluster.main_host)
+    reach, ok = reachable_row(reports, unreachable, cluster.hosts, cluster.python_of)
+    report.checks.append(reach)
+    facts = {h: r["host"] for h, r in ok.items()}
+    report.checks.append(_running_row(facts))
+    report.checks += _version_rows(facts, cluster.main_host)
+    report.checks.append(_code_row(facts, cluster.controller_hash, cluster.code_sync))
+    report.checks.append(_gpu_row(facts))
+    runtime, why = cuda or lock_cuda()
+    driver = driver_row(facts, cluster.main_host, runtime)
+    for host in facts:
+        driver.cells.setdefault(host, Cell("PASS", "no GPU"))
+    report.checks.append(driver)
+    report.checks.extend(kernel_rows(facts))
+    report.checks.append(arch_row(facts, runtime, why))
+    report.checks.append(backend_row(facts, runtime, backend, report))
+    report.checks += _network_rows(ok, cluster, thresholds)
+    for host in cluster.hosts:  # a host that never reported: every row but `reachable` is SKIP
+        for check in report.checks:
+            check.cells.setdefault(host, Cell("SKIP", "-"))
+        if host in facts:
+            report.measurements.setdefault(host, {})["versions"] = facts[host]["versions"]
+    return report
+
+
+def _reachable_cell(host: str, r: dict[str, Any] | None, unreachable: dict[str, str], python: str) -> Cell:
+    if host in unreachable or r is None:
+        return Cell(
+            "FAIL",
+            "unreachable",
+            f"{host}: {unreachable.get(host, 'no report')}"[:300],
+            f"check ansible_host/ansible_user of {host} and that `ssh {host}` works",
+        )
+    if not r.get("host") or not r.get("network"):
+        # The host modules' messages end in "Fix: ..." where they know it.
+        cause, _, fix = str(r.get("error") or "no report").partition(" Fix: ")
+        return Cell(
+            "FAIL",
+            "module failed",
+            (cause if cause.startswith(f"{host}:") else f"{host}: {cause}")[:300],
+            fix or f"fix what the message names on {host}, then rerun make preflight",
+        )
+    if r["host"].get("python", {}).get("why"):
+        return Cell(
+            "FAIL",
+            "no python",
+            f"{host}: the job's Python {python} could not run: {r['host']['python']['why']}"[:300],
+            f"provision {host} (the repository's .venv at ugro_code_dir) or fix ugro_python ({python})",
+        )
+    return Cell("PASS", "ssh + python")
+
+
+def reachable_row(
+    reports: dict[str, dict[str, Any]], unreachable: dict[str, str], hosts: list[str], python_of: dict[str, str]
+) -> tuple[Check, dict[str, dict[str, Any]]]:
+    """The `reachable` row, and the reports of the hosts it passes (the only ones the other rows judge)."""
     reach = Check("reachable")
     ok: dict[str, dict[str, Any]] = {}
     for host in hosts:
         r = reports.get(host)
-        if host in unreachable or r is None:
-            reach.cells[host] = Cell(
-                "FAIL",
-                "unreachable",
-                f"{host}: {unreachable.get(host, 'no report')}"[:300],
-                f"check ansible_host/ansible_user of {host} and that `ssh {host}` works",
-            )
-        elif not r.get("host") or not r.get("network"):
-            # The host modules' messages end in "Fix: ..." where they know it.
-            cause, _, fix = str(r.get("error") or "no report").partition(" Fix: ")
-            reach.cells[host] = Cell(
-                "FAIL",
-                "module failed",
-                (cause if cause.startswith(f"{host}:") else f"{host}: {cause}")[:300],
-                fix or f"fix what the message names on {host}, then rerun make preflight",
-            )
-        elif r["host"].get("python", {}).get("why"):
-            python = python_of.get(host, "ugro_python")
-            reach.cells[host] = Cell(
-                "FAIL",
-                "no python",
-                f"{host}: the job's Python {python} could not run: {r['host']['python']['why']}"[:300],
-                f"provision {host} (the repository's .venv at ugro_code_dir) or fix ugro_python ({python})",
-            )
-        else:
-            reach.cells[host] = Cell("PASS", "ssh + python")
+        reach.cells[host] = _reachable_cell(host, r, unreachable, python_of.get(host, "ugro_python"))
+        if reach.cells[host].status == "PASS" and r is not None:
             ok[host] = r
-    report.checks.append(reach)
+    return reach, ok
 
-    facts = {h: r["host"] for h, r in ok.items()}
-    report.checks.append(_running_row(facts))
-    report.checks.append(python_row(facts))
+
+def _version_rows(facts: dict[str, dict[str, Any]], main_host: str) -> list[Check]:
+    rows = [python_row(facts)]
     for row in VERSION_ROWS[1:]:
         values = {h: f["versions"].get(row) for h, f in facts.items()}
         fix = (
@@ -134,10 +174,13 @@ def judge_fast(
             " (its venv gets requirements/locks/py3.X/node.txt, + gpu.txt on a GPU host)"
         )
         if row == "unsloth":
-            report.checks.append(unsloth_row(facts, values, main_host, fix))
+            rows.append(unsloth_row(facts, values, main_host, fix))
         else:
-            report.checks.append(same_everywhere(row, values, main_host, fix))
+            rows.append(same_everywhere(row, values, main_host, fix))
+    return rows
 
+
+def _code_row(facts: dict[str, dict[str, Any]], controller_hash: str, code_sync: dict[str, bool]) -> Check:
     code = Check("train code")
     for host, f in facts.items():
         got = f.get("code", {}).get("hash")
@@ -158,8 +201,10 @@ def judge_fast(
                 f"{host}'s code differs from the controller's {controller_hash[:12]} and ugro_code_sync is false",
                 f"update the checkout of {host} or set ugro_code_sync: true",
             )
-    report.checks.append(code)
+    return code
 
+
+def _gpu_row(facts: dict[str, dict[str, Any]]) -> Check:
     gpu = Check("gpu")
     for host, f in facts.items():
         g = f.get("gpu", {})
@@ -173,29 +218,22 @@ def judge_fast(
                 f"no GPU on {host} ({g.get('why') or g.get('smi')}); it trains on CPU",
                 f"expected on a CPU-only host; else install the NVIDIA driver on {host} (make provision)",
             )
-    report.checks.append(gpu)
-    runtime, why = cuda or lock_cuda()
-    driver = driver_row(facts, main_host, runtime)
-    for host in facts:
-        driver.cells.setdefault(host, Cell("PASS", "no GPU"))
-    report.checks.append(driver)
-    report.checks.extend(kernel_rows(facts))
-    report.checks.append(arch_row(facts, runtime, why))
-    report.checks.append(backend_row(facts, runtime, backend, report))
+    return gpu
 
-    report.checks.append(Check("disk", {h: _disk_check(h, f, main_host, thresholds) for h, f in facts.items()}))
-    report.checks.append(Check("names", {h: names_check(h, f, addresses) for h, f in facts.items()}))
-    report.checks.append(Check("interface", {h: interface_check(h, f, addresses[h]) for h, f in facts.items()}))
-    report.checks.append(Check("firewall", {h: firewall_check(h, f, addresses, port) for h, f in facts.items()}))
-    report.checks.append(rendezvous_row(ok, main_host, port, hosts))
-    report.checks.append(ephemeral_row(ok, hosts, addresses))
-    report.checks.append(clock_row(ok, main_host, thresholds))
-    for host in hosts:  # a host that never reported: every row but `reachable` is SKIP
-        for check in report.checks:
-            check.cells.setdefault(host, Cell("SKIP", "-"))
-        if host in facts:
-            report.measurements.setdefault(host, {})["versions"] = facts[host]["versions"]
-    return report
+
+def _network_rows(ok: dict[str, dict[str, Any]], cluster: PreflightContext, t: Thresholds) -> list[Check]:
+    """The host's own disk, then the network's rows (ugro/checks/preflight_network.py)."""
+    facts = {h: r["host"] for h, r in ok.items()}
+    main, addresses, port, hosts = cluster.main_host, cluster.addresses, cluster.port, cluster.hosts
+    return [
+        Check("disk", {h: _disk_check(h, f, main, t) for h, f in facts.items()}),
+        Check("names", {h: names_check(h, f, addresses) for h, f in facts.items()}),
+        Check("interface", {h: interface_check(h, f, addresses[h]) for h, f in facts.items()}),
+        Check("firewall", {h: firewall_check(h, f, addresses, port) for h, f in facts.items()}),
+        rendezvous_row(ok, main, port, hosts),
+        ephemeral_row(ok, hosts, addresses),
+        clock_row(ok, main, t),
+    ]
 
 
 def _marked(output: str, mark: str) -> list[dict[str, Any]]:

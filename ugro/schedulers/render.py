@@ -1,5 +1,7 @@
-"""The command line of the batch-scheduler exports: `ugro slurm-script`, `ugro k8s-manifest`, and the
-status of a SLURM run read from its directory (`ugro status --run-dir`). ugro/cli.py registers them."""
+"""A SLURM run's status as `ugro status --run-dir` shows it, read from the run's directory on the shared
+filesystem (no inventory, no Ansible): each node's state from its files, the run's state and last metrics, and
+SLURM's own view of its jobs where squeue is at hand. The commands that write the scheduler's files are
+ugro/commands/slurm_script.py and ugro/commands/k8s_manifest.py."""
 
 from __future__ import annotations
 
@@ -7,133 +9,14 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
-from train.config import ConfigError, load_job
-from ugro.checks import jobcheck
-from ugro.hosts.playbook import REPO
 from ugro.module_utils import ugro_jobstate
-from ugro.schedulers import k8s, slurm
 
-console = Console()
 err = Console(stderr=True)
-
-JobOpt = Annotated[Path, typer.Option("--job", help="job file (YAML)")]
-MapOpt = Annotated[
-    Path, typer.Option("--profile-map", help="which memory profile a node gets (GPU type / node feature -> profile)")
-]
-ResumeOpt = Annotated[str, typer.Option(help="'auto': write into the newest earlier export of this job")]
-
-
-def say(text: str) -> None:
-    """A line with paths and commands to copy: never wrapped."""
-    console.print(text, highlight=False, soft_wrap=True)
-
-
-def _fail(message: str) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
-    return typer.Exit(2)
-
-
-def _show(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
-def slurm_script(
-    job_file: JobOpt = Path("jobs/default.yaml"),
-    nodes: Annotated[int, typer.Option(help="nodes of the allocation (#SBATCH --nodes)")] = 2,
-    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node (--gres=gpu:N); 0: a CPU job")] = 0,
-    gpu_type: Annotated[str, typer.Option(help="GRES type of the GPUs (--gres=gpu:TYPE:N)")] = "",
-    cpu_procs_per_node: Annotated[int, typer.Option(help="ranks per node of a CPU job")] = 1,
-    cpus_per_task: Annotated[int, typer.Option(help="CPUs per node's task (0: the partition's default)")] = 0,
-    partition: Annotated[str, typer.Option(help="#SBATCH --partition")] = "",
-    time: Annotated[str, typer.Option("--time", help="#SBATCH --time, e.g. 24:00:00")] = "",
-    constraint: Annotated[str, typer.Option(help="#SBATCH --constraint (node features)")] = "",
-    signal_seconds: Annotated[
-        int, typer.Option(help="seconds before the time limit when the ranks checkpoint, stop and requeue")
-    ] = slurm.SlurmOptions.signal_seconds,
-    port: Annotated[int, typer.Option(help="rendezvous port (0: 29500 + SLURM job id % 1000)")] = 0,
-    ifname: Annotated[str, typer.Option(help="GLOO/NCCL_SOCKET_IFNAME on every node (default: unset)")] = "",
-    sbatch_option: Annotated[
-        list[str] | None, typer.Option(help="another #SBATCH option, verbatim (repeatable): --account=abc")
-    ] = None,
-    code_dir: Annotated[Path, typer.Option(help="this repository on the shared filesystem")] = REPO,
-    python: Annotated[Path, typer.Option(help="the nodes' Python (relative: to --code-dir)")] = Path(
-        ".venv/bin/python"
-    ),
-    runs_dir: Annotated[Path | None, typer.Option(help="where runs go, shared (default: <code-dir>/runs)")] = None,
-    profile_map: MapOpt = Path("jobs/profile-map.yml"),
-    resume: ResumeOpt = "none",
-) -> None:
-    """Write an sbatch script for the job (runs/<job-id>/slurm/job.sbatch): submit it with sbatch."""
-    if resume not in ("none", "auto"):
-        raise _fail(f"--resume must be 'none' or 'auto', not '{resume}'")
-    opts = slurm.SlurmOptions(
-        nodes=nodes, gpus_per_node=gpus_per_node, gpu_type=gpu_type, cpu_procs_per_node=cpu_procs_per_node,
-        cpus_per_task=cpus_per_task, partition=partition, time_limit=time, constraint=constraint,
-        signal_seconds=signal_seconds, port=port, ifname=ifname, extra=list(sbatch_option or []),
-    )  # fmt: skip
-    runs = runs_dir or code_dir / "runs"
-    try:
-        job = load_job(job_file)
-        jobcheck.prepare_model(job, code_dir, lambda line: console.print(f"[dim]{line}[/]", highlight=False))
-        job_id = slurm.job_id_for(job, runs.resolve(), resume == "auto")
-        done = slurm.export(job_file, opts, code_dir, python, runs, profile_map, job_id)
-    except ConfigError as exc:
-        raise _fail(str(exc)) from None
-    python_path = python if python.is_absolute() else code_dir / python
-    if not python_path.exists():
-        err.print(f"[yellow]warning:[/] {python_path} does not exist here: the nodes need it on the shared filesystem")
-    say(f"job [bold]{done.run_dir.name}[/]: {_show(done.script)} (+ node.sh, profiles {', '.join(done.profiles)})")
-    say(f"  submit:  sbatch {_show(done.script)}    (again, or requeued: it resumes from the newest checkpoint)")
-    say(f"  follow:  ugro status --run-dir {_show(done.run_dir)}    tail -f {_show(done.run_dir)}/hosts/*/torchrun.log")
-
-
-def k8s_manifest(
-    job_file: JobOpt = Path("jobs/default.yaml"),
-    nodes: Annotated[
-        str, typer.Option(help="pods: a number (all with --profile), or per profile: gpu_12gb=1,gpu_8gb=2")
-    ] = "2",
-    profile: Annotated[str, typer.Option(help="the memory profile of the pods when --nodes is a number")] = "",
-    gpus_per_node: Annotated[int, typer.Option(help="nvidia.com/gpu per pod; 0: a CPU job")] = 0,
-    cpu_procs_per_node: Annotated[int, typer.Option(help="ranks per pod of a CPU job")] = 1,
-    image: Annotated[
-        str, typer.Option(help="image with this repository at --code-dir and its node lock in <code-dir>/.venv")
-    ] = k8s.K8sOptions.image,
-    pvc: Annotated[str, typer.Option(help="PersistentVolumeClaim (ReadWriteMany) for the run directory")] = (
-        k8s.K8sOptions.pvc
-    ),
-    namespace: Annotated[str, typer.Option(help="namespace of the Job and Service")] = k8s.K8sOptions.namespace,
-    port: Annotated[int, typer.Option(help="rendezvous port")] = k8s.K8sOptions.port,
-    code_dir: Annotated[str, typer.Option(help="where the image holds the repository")] = k8s.K8sOptions.code_dir,
-    profile_map: MapOpt = Path("jobs/profile-map.yml"),
-    out: Annotated[Path | None, typer.Option(help="manifest file (default: runs/<job-id>/k8s/job.yaml)")] = None,
-) -> None:
-    """Write a Kubernetes manifest for the job: a headless Service and an indexed Job per memory profile."""
-    try:
-        job = load_job(job_file)
-        jobcheck.check_data(job, REPO)
-        opts = k8s.K8sOptions(
-            groups=k8s.parse_nodes(nodes, profile), gpus_per_node=gpus_per_node,
-            cpu_procs_per_node=cpu_procs_per_node, image=image, pvc=pvc, namespace=namespace, port=port,
-            code_dir=code_dir,
-        )  # fmt: skip
-        manifest = k8s.manifest(job, job_file, opts, profile_map)
-    except ConfigError as exc:
-        raise _fail(str(exc)) from None
-    target = out or REPO / "runs" / manifest.job_id / "k8s" / "job.yaml"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(k8s.dump(manifest.objects))
-    kinds = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in manifest.objects)
-    say(f"job [bold]{manifest.job_id}[/]: {_show(target)} ({kinds})")
-    say(f"  apply:   kubectl apply -f {_show(target)}    (not run on a real cluster here: see README)")
 
 
 def _run_state(run_dir: Path) -> dict[str, Any]:
