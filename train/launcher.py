@@ -54,7 +54,8 @@ def _rank(module_name: str, *argv: str) -> None:
     sys.exit(importlib.import_module(module_name).main(list(argv)))
 
 
-def _launch_once(args: argparse.Namespace) -> None:
+def _launch_once(args: argparse.Namespace, first: bool) -> None:
+    """One run of torchrun's agent; ``first``: this process's first, which imports what the ranks need first."""
     from torch.distributed import run as torchrun
     from torch.distributed.launcher.api import elastic_launch
 
@@ -67,9 +68,8 @@ def _launch_once(args: argparse.Namespace) -> None:
         args.master_port = 29500
     worker_args = list(args.training_script_args)
     preload = getattr(module, "preload", None)
-    if callable(preload) and not preloaded:
+    if callable(preload) and first:
         preload(worker_args)
-        preloaded.append(module)
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "fork"
     # What the launcher imported stays out of every later collection, here and in the forked ranks: their
@@ -77,9 +77,6 @@ def _launch_once(args: argparse.Namespace) -> None:
     gc.freeze()
     gc.enable()
     elastic_launch(config, _rank)(args.training_script, *worker_args)
-
-
-preloaded: list[ModuleType] = []
 
 
 def _launch(argv: list[str]) -> None:
@@ -95,7 +92,7 @@ def _launch(argv: list[str]) -> None:
     for rejoin in range(place.rejoins + 1):
         seen = place.records()
         try:
-            _launch_once(args)
+            _launch_once(args, first=rejoin == 0)
             return
         except ChildFailedError as exc:
             why = place.crashed(exc, seen)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ from train.model.headchunks import TRANSFORMED_LOGITS, chunk_bytes, chunk_rows, 
 
 log = logging.getLogger(__name__)
 
-_decided: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module | None] = weakref.WeakKeyDictionary()
+DECIDED = "_ugro_loss_head"  # the model's attribute that keeps the decision: (head,) or (None,)
 
 
 def causal_lm(model: torch.nn.Module) -> Any:
@@ -66,14 +65,16 @@ def head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The head the loss reads the weight of, or None where the loss must come from the logits; decided once per
     model (the first call logs the choice)."""
     lm = causal_lm(model)
-    if lm not in _decided:
+    if not hasattr(lm, DECIDED):
         why = _unfit(lm)
         if why is None:
             log.info("loss: computed from the hidden states and the head's weight, in chunks (no full logits)")
         else:
             log.info("loss: from the full logits, because %s", why)
-        _decided[lm] = None if why is not None else lm.get_output_embeddings()
-    return _decided[lm]
+        # Kept on the model (a tuple: a module set as an attribute would become one of its submodules).
+        setattr(lm, DECIDED, (None if why is not None else lm.get_output_embeddings(),))
+    head: torch.nn.Module | None = getattr(lm, DECIDED)[0]
+    return head
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import sys
-import weakref
 from pathlib import Path
 from typing import Any, cast
 
@@ -193,18 +192,18 @@ def load_unsloth(job: JobConfig, base_dir: Path, local_rank: int, checkpointing:
     return model, tokenizer
 
 
-_BY_LENGTHS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+BY_LENGTHS = "_ugro_packs_by_lengths"  # the model's attribute that says so
 
 
 def packs_by_lengths(model: torch.nn.Module) -> bool:
     """Whether ``model`` keeps packed examples apart only when told their lengths (unsloth: its attention reads
     ``packed_seq_lengths``, not restarting positions; train/data/blocks.py ``model_inputs``)."""
-    return headloss.causal_lm(model) in _BY_LENGTHS
+    return bool(getattr(headloss.causal_lm(model), BY_LENGTHS, False))
 
 
 def pack_by_lengths(model: torch.nn.Module) -> None:
     """From now on ``model`` is called with packed rows joined and their lengths (``packs_by_lengths``)."""
-    _BY_LENGTHS.add(headloss.causal_lm(model))
+    setattr(headloss.causal_lm(model), BY_LENGTHS, True)
 
 
 def load_model(job: JobConfig, base_dir: Path, device: torch.device) -> tuple[Any, Any, str]:
