@@ -68,7 +68,7 @@ def test_no_module_level_state_in_the_ranks_code() -> None:
 
 def test_the_check_finds_module_state_changed_in_place(tmp_path: Path) -> None:
     """Seen failing on the shapes the recovery code had (a list used as a global slot, a flag set through global)."""
-    sample = REPO / "train" / "_shape_sample.py"
+    sample = tmp_path / "sample.py"
     sample.write_text("_SLOT: list[int] = []\n_flag = False\nclass _Box:\n    value = None\n\n"
                       "def put(x):\n    _SLOT.append(x)\n    _Box.value = x\n\n"
                       "def flag():\n    global _flag\n    _flag = True\n", encoding="utf-8")  # fmt: skip
