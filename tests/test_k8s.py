@@ -13,8 +13,10 @@ import kubernetes_validate
 import pytest
 import yaml
 from helpers import REPO, write_job
+from typer.testing import CliRunner
 
 from train.config import ConfigError, load_job, load_profile
+from ugro import cli
 from ugro.schedulers import k8s, profile_map
 
 MAP = REPO / "jobs" / "profile-map.yml"
@@ -125,3 +127,24 @@ def test_each_pod_computes_its_node_rank_from_its_completion_index(tmp_path: Pat
             assert (module, run) == ("-m", "torch.distributed.run") and rest == container["args"][1:]
             seen.append((rank, main))
     assert seen == [("--node-rank=0", "main=1"), ("--node-rank=1", "main=0"), ("--node-rank=2", "main=0")]
+
+
+def test_the_command_takes_every_option_under_both_names(tmp_path: Path) -> None:
+    """`ugro k8s-manifest` (and `export-k8s`, its old name): each option lands in the manifest."""
+    argv = ["--job", str(DEFAULT_JOB), "--nodes", "gpu_12gb=1,gpu_8gb=1", "--gpus-per-node", "1", "--image",
+            "lab/ugro:1", "--pvc", "runs-rwx", "--namespace", "ml", "--port", "29700", "--code-dir", "/srv/ugro",
+            "--profile-map", str(MAP)]  # fmt: skip
+    for name in ("k8s-manifest", "export-k8s"):
+        out = tmp_path / f"{name}.yaml"
+        result = CliRunner().invoke(cli.app, [name, *argv, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        objects = list(yaml.safe_load_all(out.read_text()))
+        jobs = _by_kind(objects, "Job")
+        assert sorted(j["metadata"]["name"].rsplit("-", 1)[1] for j in jobs) == ["12gb", "8gb"], jobs
+        assert all(o["metadata"]["namespace"] == "ml" for o in objects if o)
+        text = out.read_text()
+        for value in ("lab/ugro:1", "runs-rwx", "29700", "/srv/ugro"):
+            assert value in text, value
+    refused = CliRunner().invoke(cli.app, ["k8s-manifest", "--nodes", "gpu_12gb:1", "--out", str(tmp_path / "x.yaml")])
+    assert refused.exit_code == 2 and "profile=count" in refused.output, refused.output
+    assert not (tmp_path / "x.yaml").exists()

@@ -153,6 +153,27 @@ def test_a_bad_profile_map_fails_the_export_naming_file_and_key(tmp_path: Path, 
     assert not (tmp_path / "runs" / "test-1" / "slurm" / "job.sbatch").exists()
 
 
+def test_the_command_takes_every_option_under_both_names(tmp_path: Path) -> None:
+    """`ugro slurm-script` (and `export-slurm`, its old name): each option lands in the script; a bad --resume is
+    refused (exit 2) before anything is written."""
+    job_file = write_job(tmp_path / "job.yaml", train={"global_batch_size": 12})
+    argv = ["--job", str(job_file), "--nodes", "3", "--gpus-per-node", "4", "--gpu-type", "a100", "--cpus-per-task",
+            "8", "--partition", "gpu", "--time", "2:00:00", "--constraint", "ib", "--signal-seconds", "120", "--port",
+            "29600", "--ifname", "ib0", "--sbatch-option", "--account=lab", "--sbatch-option", "--qos=long",
+            "--code-dir", str(REPO), "--runs-dir", str(tmp_path / "runs")]  # fmt: skip
+    for name in ("slurm-script", "export-slurm"):
+        result = CliRunner().invoke(cli.app, [name, *argv])
+        assert result.exit_code == 0, result.output
+    scripts = sorted((tmp_path / "runs").glob("*/slurm/job.sbatch"))
+    assert scripts, result.output
+    text = scripts[-1].read_text()
+    for line in ("--nodes=3", "--gres=gpu:a100:4", "--cpus-per-task=8", "--partition=gpu", "--time=2:00:00",
+                 "--constraint=ib", "--signal=B:USR1@120", "--account=lab", "--qos=long"):  # fmt: skip
+        assert f"#SBATCH {line}" in text, (line, text)
+    refused = CliRunner().invoke(cli.app, ["slurm-script", "--job", str(job_file), "--resume", "later"])
+    assert refused.exit_code == 2 and "--resume must be 'none' or 'auto', not 'later'" in refused.output
+
+
 def test_bad_options_are_refused(tmp_path: Path) -> None:
     for opts, message in [
         (slurm.SlurmOptions(signal_seconds=5), "between 10 (a step and a checkpoint)"),
