@@ -13,6 +13,8 @@ from rich.console import Console
 
 from train.config import ConfigError, JobConfig, load_job
 from ugro.checks import jobcheck
+from ugro.checks.preflight import render
+from ugro.checks.prelaunch import ChecksFailed
 from ugro.hosts.inventory import Cluster, InventoryError, read_cluster
 from ugro.hosts.playbook import REPO, PlaybookRun, runs_dir
 from ugro.run import settings
@@ -44,7 +46,10 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def refused(refusal: Refused) -> typer.Exit:
-    """A launch refused (ugro/run/launch.py): its lines, then its error."""
+    """A launch refused (ugro/run/launch.py, ugro/checks/prelaunch.py): the fast checks' report where they FAILed,
+    its lines, then its error."""
+    if isinstance(refusal, ChecksFailed):
+        render(refusal.report, err, "preflight (fast checks)")
     for line in refusal.lines:
         err.print(f"[bold red]{line}[/]", highlight=False)
     return fail(refusal.message, refusal.code)

@@ -21,7 +21,6 @@ from ugro.commands.common import (
     console,
     convert_model,
     dim,
-    err,
     fail,
     load,
     refused,
@@ -31,13 +30,6 @@ from ugro.run.launch import Refused
 
 MinFreeOpt = Annotated[float, typer.Option(envvar="MIN_FREE_GB", help="GiB free needed on the main host")]
 BusbwOpt = Annotated[float, typer.Option(envvar="BUSBW_FLOOR", help="all-reduce busbw floor, GB/s (WARN below)")]
-
-
-def refusal(exc: Refused) -> typer.Exit:
-    """A launch refused; where the fast checks FAILed, their report first."""
-    if isinstance(exc, prelaunch.ChecksFailed):
-        preflight_run.render(exc.report, err, "preflight (fast checks)")
-    return refused(exc)
 
 
 def show_fast(found: prelaunch.Fast) -> None:
@@ -55,7 +47,7 @@ def fast_checks(inventory: Path, job: JobConfig, job_file: Path) -> prelaunch.Fa
     try:
         found = prelaunch.fast(inventory, job, job_file)
     except Refused as exc:
-        raise refusal(exc) from None
+        raise refused(exc) from None
     show_fast(found)
     return found
 

@@ -23,10 +23,11 @@ from ugro.commands.common import (
     fail,
     load,
     playbook_failed,
+    refused,
     tokenized,
     with_settings,
 )
-from ugro.commands.preflight import refusal, show_fast
+from ugro.commands.preflight import show_fast
 from ugro.model.jsonfile import read_object
 from ugro.run import launch, phases
 from ugro.run.supervisor import LaunchError, Supervisor
@@ -66,7 +67,7 @@ def train(
     try:
         ready = prelaunch.ready(prelaunch.Request(job, job_file, inventory, hosts, resume, skip_preflight), dim)
     except launch.Refused as exc:
-        raise refusal(exc) from None
+        raise refused(exc) from None
     if ready.fresh_note:
         console.print(ready.fresh_note)
     if ready.fast:
