@@ -28,19 +28,26 @@ help:
 	@echo "make bench-pipeline-cluster  the default model in 3 stages across the test cluster vs data parallel (root)"
 	@echo "make bench-ddp-init  bytes and time DDP broadcasts at start-up, plain vs ugro, on the test cluster (root)"
 	@echo "make bench-exporter  the node exporter's CPU cost at one scrape every 5 s"
+	@echo "make bench-recovery  launch -> first step, a killed host and the main host's cut link -> next step, on the test cluster (root)"
+	@echo "make bench-launch    make train to its first step on the test cluster: fresh hosts, the same again, without the checks (root)"
 	@echo "make bench-rank-start  one host's CPU to start a rank: torchrun's way vs train.launcher's (ranks forked where there is no GPU)"
 	@echo "make bench-4bit      the default job in 4-bit QLoRA against the same job unquantized: held-out loss by step"
 	@echo "make bench-headloss  the loss from full logits vs from hidden states (a 151,936-token head): memory, time, differences"
-	@echo "make testbed-up N=3 / make testbed-down   a test cluster of N hosts on this machine (root)"
+	@echo "make testbed-up N=3 [SUBNET=auto] [TESTBED_DIR=.testbed] / make testbed-down   a test cluster of N hosts on this machine (root)"
+	@echo "make provision [INVENTORY=...] [ANSIBLE_ARGS=...]   provision the hosts: driver, CUDA, Python env, network, firewall, exporter"
 	@echo "make export [JOB_ID=...] [FORMAT=gguf]   the run's model merged into its base (runs/<job-id>/merged), or as GGUF + Ollama Modelfile (runs/<job-id>/gguf)"
 	@echo "make chat [JOB_ID=...]     talk to a run's model in the terminal (/base, /tuned, /reset, /quit)"
 	@echo "make dashboard [INVENTORY=...]   live view of every node's exporter (GPUs, job, loss, per-rank balance); q quits"
-	@echo "make prometheus-config [INVENTORY=...]   runs/monitoring/prometheus.yml: a Prometheus scrape config of every exporter"
+	@echo "make prometheus-config [INVENTORY=...] [OUT=...]   runs/monitoring/prometheus.yml: a Prometheus scrape config of every exporter"
 	@echo "make validate [JOB=...] [INVENTORY=...] [SHOW=2]   check a job file and its data (rows, steps an epoch; SHOW: rows with the trained tokens marked), with INVENTORY its hosts and ranks, without starting anything"
 	@echo "make plan [JOB=...] [INVENTORY=...] [OFFLINE=1]   which host holds which layers: data parallel or pipeline stages, with memory estimates"
 	@echo "make slurm-script [JOB=...] [NODES=2] [RESUME=auto] [SLURM_ARGS=...]   an sbatch script for the job (runs/<job-id>/slurm/)"
 	@echo "make k8s-manifest [JOB=...] [NODES=2|gpu_12gb=1,gpu_8gb=2] [K8S_ARGS=...]   a Kubernetes manifest: indexed Jobs + headless Service"
 	@echo "make lint            ansible-lint (production profile) and ruff"
+	@echo "make typecheck       mypy"
+	@echo "make molecule [SCENARIO=<role>]   every role's Molecule scenario on rootfs test hosts (root)"
+	@echo "make venv            .venv from the locks (every other target makes it first)"
+	@echo "make clean           remove runs/ and .pytest_cache"
 	@echo "make lock            regenerate requirements/locks/py3.X/{node,gpu,controller}.txt from requirements/*.in (pinned uv, registry only)"
 	@echo "make role-docs       every role's README.md from its meta/argument_specs.yml (hand-written part kept)"
 
@@ -126,7 +133,7 @@ dashboard: venv
 
 # A Prometheus scrape configuration from the inventory (every exporter, and node_exporter where set).
 prometheus-config: venv
-	$(UGRO) prometheus-config --inventory $(INVENTORY)
+	$(UGRO) prometheus-config --inventory $(INVENTORY) $(if $(OUT),--out $(OUT))
 
 PY_DIRS := train ugro library action_plugins bench tests models molecule data tools testbed
 
@@ -184,10 +191,10 @@ bench-pipeline: venv
 # The default job in 3 pipeline stages across the 3-host test cluster (each host's memory capped below the whole
 # model's need) against data parallel: held-out loss, tokens/s, peak memory, bytes per step (root).
 bench-pipeline-cluster: venv
-	$(PY) -m bench.pipeline_cluster
+	$(PY) -m bench.pipeline_cluster $(BENCH_ARGS)
 
 bench-ddp-init: venv
-	$(PY) -m bench.ddp_init run
+	$(PY) -m bench.ddp_init run $(BENCH_ARGS)
 
 # Launch -> first step, and a lost host -> first step on the survivors, on the 3-host test cluster (root).
 bench-recovery: venv
@@ -218,11 +225,13 @@ bench-headloss: venv
 bench-exporter: venv
 	$(PY) -m bench.exporter $(BENCH_ARGS)
 
+# TESTBED_DIR: where its state lives (one test cluster per directory); SUBNET: its own (auto: the first free one).
+TESTBED_DIR ?= .testbed
 testbed-up: venv
-	$(PY) -m testbed up --hosts $(or $(N),3) --dir .testbed $(if $(ROOTFS),--rootfs)
+	$(PY) -m testbed up --hosts $(or $(N),3) --dir $(TESTBED_DIR) $(if $(SUBNET),--subnet $(SUBNET)) $(if $(ROOTFS),--rootfs)
 
 testbed-down:
-	$(PY) -m testbed down --dir .testbed
+	$(PY) -m testbed down --dir $(TESTBED_DIR)
 
 # Every lock from its .in, for every Python a node may run (requirements/locks/py3.X/), with the pinned uv
 # from the registry alone (~1 min, mostly the index's answers).
