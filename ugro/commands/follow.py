@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ugro.commands import outcome as ending
+from ugro.commands import ending
 from ugro.commands.common import JobIdOpt, clock, cluster, console, fail, job_id_or_latest, load
 from ugro.hosts.playbook import runs_dir
 from ugro.run import attach, launch

@@ -10,7 +10,7 @@ import typer
 from train.config import JobConfig
 from train.metrics import write_status
 from ugro.checks import prelaunch, ranks
-from ugro.commands import outcome as ending
+from ugro.commands import ending
 from ugro.commands.common import (
     DEFAULT_INVENTORY,
     DEFAULT_JOB,
