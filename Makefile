@@ -1,4 +1,6 @@
-# ugro — every target is a thin call into the Python controller (the `ugro` command, ugro/cli.py) or a test runner.
+# ugro — the user's targets are thin calls into the Python controller (the `ugro` command, ugro/cli.py); the others
+# call their tool directly (provision: ansible-playbook; venv, lock: uv; bench*: python -m bench.*; testbed-*: the
+# test cluster; test, lint, typecheck, molecule: their runners). docs/architecture.md lists them.
 # Knobs live in the job file (JOB) and the inventory (INVENTORY; defaults in roles/*/defaults), never here.
 
 PYTHON    ?= python3
