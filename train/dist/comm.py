@@ -160,13 +160,17 @@ def then(
     """A future of ``read()`` after ``work`` on ``group`` (for DDP's communication hooks): a ``then`` of the work's own
     future (CUDA-aware on NCCL), whose callback waits on the work before it reads where the group has NCCL's
     semantics. On gloo the future completes once the result is written, and its callback runs on gloo's own thread
-    before the work counts as complete: a wait on the work there would wait on itself."""
+    before the work counts as complete: a wait on the work there would wait on itself; the future's own value says
+    whether the collective failed. Either way a failed collective fails the future: its buffer is never handed on as
+    a result."""
     assert work is not None, "then: the collective must be started with async_op=True"
     wait = nccl_semantics(group)
 
-    def landed(_: torch.futures.Future[Any]) -> T:
+    def landed(done: torch.futures.Future[Any]) -> T:
         if wait:
             work.wait()
+        else:
+            done.value()  # raises the collective's error
         return read()
 
     return work.get_future().then(landed)

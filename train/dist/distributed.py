@@ -234,7 +234,9 @@ def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.future
     DDP reads the bucket when the returned future completes: a ``then`` of the all-reduce's own future whose callback
     waits on the work first (``comm.then``), so that the bucket is read after NCCL wrote it. torch's default hooks
     hand the work's future on without that wait, which NCCL makes right through CUDA streams but the test backend
-    does not (train/dist/nccl_like.py: stricter, a result lands only at ``work.wait()``)."""
+    does not (train/dist/nccl_like.py: stricter, a result lands only at ``work.wait()``). On plain gloo the future
+    also ends when the group is declared broken (``GroupHealth.guarded``): DDP waits on it where nothing else would
+    end the wait for a peer that sends no reset."""
     # On CUDA the lap records an event on this thread's current stream. DDP calls the hook from autograd's
     # device thread, whose current stream is the one the backward kernels of this bucket were queued on, so the
     # event completes exactly when the GPU has computed the bucket's gradients, before the all-reduce (queued
@@ -243,17 +245,18 @@ def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.future
     state.health.intact()  # a group declared broken takes no new collective (its NCCL groups are aborted already)
     buffer = bucket.buffer()
     world = dist.get_world_size(state.process_group)
+    group = state.process_group
     if not state.compress:
         buffer.div_(world)
-        work = comm.all_reduce(buffer, group=state.process_group, async_op=True)
-        return comm.then(work, lambda: buffer, state.process_group)
+        work = comm.all_reduce(buffer, group=group, async_op=True)
+        return state.health.guarded(comm.then(work, lambda: buffer, group), group)
     compressed = buffer.to(torch.bfloat16).div_(world)
 
     def decompressed() -> torch.Tensor:
         return buffer.copy_(compressed)
 
-    work = comm.all_reduce(compressed, group=state.process_group, async_op=True)
-    return comm.then(work, decompressed, state.process_group)
+    work = comm.all_reduce(compressed, group=group, async_op=True)
+    return state.health.guarded(comm.then(work, decompressed, group), group)
 
 
 # DDP inspects the hook's annotations as objects; `from __future__ import annotations` left strings.

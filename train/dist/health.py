@@ -65,6 +65,7 @@ class GroupHealth:
         self.breaks = threading.Event()  # set with ``broken``: every wait ends
         self.abandoned: list[Any] = []  # works of broken groups, maybe still pending
         self._waiting: set[Any] = set()  # the works a wait is on now (gloo's, which no abort ends)
+        self._guarded: list[torch.futures.Future[Any]] = []  # futures ``guarded`` hands out, until they complete
         self._lock = threading.RLock()
 
     def fail(self, why: str) -> None:
@@ -76,6 +77,9 @@ class GroupHealth:
             self.broken = self.broken or why
             self.breaks.set()
             self.abandoned += [work for work in self._waiting if not work.is_completed()]
+            guarded, self._guarded = self._guarded, []
+        for future in guarded:
+            self._complete(future, error=GroupLost(self.broken))
         if first:
             try:
                 comm.abort_all()
@@ -94,6 +98,42 @@ class GroupHealth:
         deadline = time.monotonic() + timeout_s
         while any(not w.is_completed() for w in self.abandoned) and time.monotonic() < deadline:
             time.sleep(SETTLE_POLL_S)
+
+    def guarded(self, future: torch.futures.Future[T], group: dist.ProcessGroup | None = None) -> torch.futures.Future[T]:
+        """``future`` (of a collective on ``group``), or on a group without NCCL's semantics (plain gloo: CPU tensors)
+        one that also ends, with GroupLost, as soon as the group is declared broken. For what waits on a future where no
+        Python check reaches it: DDP waits on its communication hook's future in C++, and nothing aborts a gloo
+        collective whose peer sends no reset (a cut link, a frozen host). A group with NCCL's semantics is aborted
+        instead (``fail``), which fails the future itself; there the future is handed on as it is, CUDA-aware."""
+        if not self.watched or comm.nccl_semantics(group):
+            return future
+        out: torch.futures.Future[T] = torch.futures.Future()
+        with self._lock:
+            if self.broken is not None:
+                raise GroupLost(self.broken)
+            self._guarded.append(out)
+
+        def landed(done: torch.futures.Future[T]) -> None:
+            try:
+                self._complete(out, value=done.value())
+            except Exception as exc:  # the collective's error, handed on
+                self._complete(out, error=exc)
+            with self._lock:
+                if out in self._guarded:
+                    self._guarded.remove(out)
+
+        future.add_done_callback(landed)
+        return out
+
+    def _complete(self, future: torch.futures.Future[Any], value: Any = None, error: Exception | None = None) -> None:
+        """Complete ``future`` once: with the collective's result, or with why it ended."""
+        with self._lock:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
 
     def intact(self) -> None:
         """GroupLost if the current group was declared broken (before a collective is queued on it)."""
