@@ -113,6 +113,8 @@ def test_a_membership_planted_in_the_store_before_the_survivors_is_refused_and_t
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
     current = _group(("h1", "h2", "h3"), "h1")
     server.set("ugro-membership-0-1", planted)
+    # A store's set gets no answer: read it back on the same connection, so that it is there before any survivor asks.
+    assert bytes(server.get("ugro-membership-0-1")) == planted.encode()
     mine, theirs = current.survivors(1, ("h1", "h3"), "h1"), current.survivors(1, ("h1",), "h1")
     key = bytes(range(32))
     with caplog.at_level("WARNING"):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -174,6 +174,41 @@ def then(
         return read()
 
     return work.get_future().then(landed)
+
+
+def breakable(
+    future: torch.futures.Future[T], group: dist.ProcessGroup | None = None
+) -> tuple[torch.futures.Future[T], Callable[[Exception], None]]:
+    """``future`` (of a collective on ``group``) as a future that something else may also end early, and how to end
+    it: ``end(error)`` fails it unless the collective ended first. For what waits on a collective's future where no
+    Python check reaches it (DDP waits on its hook's future in C++). Only on a group without NCCL's semantics (plain
+    gloo: CPU tensors, nothing for CUDA events to order), whose pending collectives nothing else ends: a group with
+    NCCL's semantics is aborted instead, which fails the future itself, so there ``future`` is handed on as it is,
+    CUDA-aware, and ``end`` does nothing."""
+    if nccl_semantics(group):
+        return future, lambda _error: None
+    out: torch.futures.Future[Any] = torch.futures.Future()  # CPU tensors only: no devices to carry
+    lock = threading.Lock()
+
+    def complete(value: Any = None, error: Exception | None = None) -> None:
+        with lock:
+            if out.done():
+                return
+            if error is not None:
+                out.set_exception(error)
+            else:
+                out.set_result(value)
+
+    def landed(done: torch.futures.Future[T]) -> None:
+        try:
+            value = done.value()
+        except Exception as exc:  # the collective's error, handed on
+            complete(error=exc)
+            return
+        complete(value=value)
+
+    future.add_done_callback(landed)
+    return cast("torch.futures.Future[T]", out), lambda error: complete(error=error)
 
 
 class BrokenGroup(RuntimeError):

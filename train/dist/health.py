@@ -65,7 +65,7 @@ class GroupHealth:
         self.breaks = threading.Event()  # set with ``broken``: every wait ends
         self.abandoned: list[Any] = []  # works of broken groups, maybe still pending
         self._waiting: set[Any] = set()  # the works a wait is on now (gloo's, which no abort ends)
-        self._guarded: list[torch.futures.Future[Any]] = []  # futures ``guarded`` hands out, until they complete
+        self._guarded: list[Callable[[Exception], None]] = []  # how to end what ``guarded`` handed out
         self._lock = threading.RLock()
 
     def fail(self, why: str) -> None:
@@ -77,9 +77,9 @@ class GroupHealth:
             self.broken = self.broken or why
             self.breaks.set()
             self.abandoned += [work for work in self._waiting if not work.is_completed()]
-            guarded, self._guarded = self._guarded, []
-        for future in guarded:
-            self._complete(future, error=GroupLost(self.broken))
+            guarded, self._guarded, reason = self._guarded, [], self.broken
+        for end in guarded:
+            end(GroupLost(reason))
         if first:
             try:
                 comm.abort_all()
@@ -107,33 +107,19 @@ class GroupHealth:
         instead (``fail``), which fails the future itself; there the future is handed on as it is, CUDA-aware."""
         if not self.watched or comm.nccl_semantics(group):
             return future
-        out: torch.futures.Future[T] = torch.futures.Future()
+        out, end = comm.breakable(future, group)
         with self._lock:
             if self.broken is not None:
                 raise GroupLost(self.broken)
-            self._guarded.append(out)
+            self._guarded.append(end)
 
-        def landed(done: torch.futures.Future[T]) -> None:
-            try:
-                self._complete(out, value=done.value())
-            except Exception as exc:  # the collective's error, handed on
-                self._complete(out, error=exc)
+        def forget(_: torch.futures.Future[T]) -> None:
             with self._lock:
-                if out in self._guarded:
-                    self._guarded.remove(out)
+                if end in self._guarded:
+                    self._guarded.remove(end)
 
-        future.add_done_callback(landed)
+        out.add_done_callback(forget)
         return out
-
-    def _complete(self, future: torch.futures.Future[Any], value: Any = None, error: Exception | None = None) -> None:
-        """Complete ``future`` once: with the collective's result, or with why it ended."""
-        with self._lock:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(value)
 
     def intact(self) -> None:
         """GroupLost if the current group was declared broken (before a collective is queued on it)."""
