@@ -43,7 +43,7 @@ class Watch:
 
     def unreachable(self, polls: int = UNREACHABLE_POLLS) -> list[str]:
         """Hosts that did not answer the last ``polls`` polls, or the last one where their peers cannot reach them
-        either (train/recovery/regroup.py Heartbeat). A fault is declared on two silent polls, or on one its peers
+        either (train/recovery/watch.py Heartbeat). A fault is declared on two silent polls, or on one its peers
         confirm; once there is one, a host silent on the last poll counts as gone (a cut link hangs its SSH session
         while the hosts that talk to it fail with collective errors)."""
         silent = self.silent
@@ -147,7 +147,7 @@ def blamed(statuses: Statuses, hosts: list[str], unreachable: Iterable[str]) -> 
 
 
 def regroup_survivors(statuses: Statuses, hosts: list[str], main: str, gone: list[str]) -> list[str] | None:
-    """The hosts that can go on in their own processes without ``gone`` (train/recovery/regroup.py), or None when the
+    """The hosts that can go on in their own processes without ``gone`` (train/recovery/membership.py), or None when the
     fault needs a relaunch: no host is gone (a rank crashed on a host that stays up), a survivor's job is not
     running whole, or the ranks hold pipeline stages. Where the main host is gone, the first survivor takes up
     the run's records (``main_host_for``)."""
