@@ -16,6 +16,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The rooms the commands call into.
+COMMANDS_CALL = {
+    "ugro.hosts", "ugro.stack", "ugro.model", "ugro.run", "ugro.checks", "ugro.monitoring", "ugro.schedulers",
+}  # fmt: skip
+
 # What each room of the controller may import besides itself (train/ and ugro.module_utils are open to all).
 ALLOWED: dict[str, set[str]] = {
     "ugro.module_utils": set(),
@@ -27,25 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     "ugro.monitoring": {"ugro.hosts"},
     "ugro.schedulers": {"ugro.hosts", "ugro.checks", "ugro.model"},
     # One module per command: parsing and printing, the decisions in the rooms they call.
-    "ugro.commands": {
-        "ugro.hosts",
-        "ugro.stack",
-        "ugro.model",
-        "ugro.run",
-        "ugro.checks",
-        "ugro.monitoring",
-        "ugro.schedulers",
-    },
-    "ugro.cli": {
-        "ugro.commands",
-        "ugro.hosts",
-        "ugro.stack",
-        "ugro.model",
-        "ugro.run",
-        "ugro.checks",
-        "ugro.monitoring",
-        "ugro.schedulers",
-    },
+    "ugro.commands": COMMANDS_CALL,
+    "ugro.cli": COMMANDS_CALL | {"ugro.commands"},
 }
 
 

@@ -187,7 +187,7 @@ def breakable(
     CUDA-aware, and ``end`` does nothing."""
     if nccl_semantics(group):
         return future, lambda _error: None
-    out: torch.futures.Future[Any] = torch.futures.Future()  # CPU tensors only: no devices to carry
+    out: torch.futures.Future[Any] = torch.futures.Future(devices=[])  # CPU tensors only: no devices to carry
     lock = threading.Lock()
 
     def complete(value: Any = None, error: Exception | None = None) -> None:
