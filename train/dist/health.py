@@ -51,6 +51,7 @@ def collective_error(exc: BaseException) -> bool:
 
 
 def one_line(exc: BaseException) -> str:
+    """The exception as its type and the first non-empty line of its message (train/recovery/failure.py builds on it)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 

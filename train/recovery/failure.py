@@ -108,7 +108,7 @@ def kind_of(exc: BaseException, stopped: bool = False) -> str:
 def one_line(exc: BaseException, limit: int = 400) -> str:
     """The exception as one readable line: its type and the first non-empty line of its message."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    text = health.one_line(exc)
     if isinstance(exc, ConfigError):
         text = " ".join(lines) or text  # the whole message: it names the file, key and fix
     if isinstance(exc, NonFiniteError):
