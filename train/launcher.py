@@ -19,8 +19,10 @@ import gc
 import importlib
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 
 def has_gpu() -> bool:
@@ -81,7 +83,9 @@ def _launch_once(args: argparse.Namespace, first: bool) -> None:
 
 def _launch(argv: list[str]) -> None:
     """torchrun; where a rank crashed on this host while the others of a multi-host run go on, this host's ranks
-    start again, up to ``distributed.rejoins`` times, and rejoin the running group (train/recovery/comeback.py)."""
+    start again, up to ``distributed.rejoins`` times, and rejoin the running group (train/recovery/comeback.py); where
+    the host was taken back (train/recovery/lending.py), this launcher waits until it is lent again, with nothing on
+    its GPU, and then its ranks rejoin the same way, as often as the host comes and goes."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -89,16 +93,57 @@ def _launch(argv: list[str]) -> None:
 
     args = torchrun.parse_args(argv)
     place = comeback.Place.of(args)
-    for rejoin in range(place.rejoins + 1):
-        seen = place.records()
+    if place.host_dir is not None and place.lends:
+        _watch_owner(place.host_dir)
+    crashes = launches = 0
+    while True:
+        seen, began = place.records(), time.time()
+        if place.host_dir is not None:
+            comeback.EndWatch(place.host_dir, began)
         try:
-            _launch_once(args, first=rejoin == 0)
+            _launch_once(args, first=launches == 0)
             return
         except ChildFailedError as exc:
+            launches += 1
+            lent = place.lent_since(began)
+            if lent is not None:
+                why = place.while_lent(lent, lambda: _group_runs(place))
+                if why is None:
+                    print("ugro: the run ended while this host was lent", flush=True)
+                    return
+                place.come_back(args, why, crashes, launches, lent=True)
+                continue
             why = place.crashed(exc, seen)
-            if rejoin == place.rejoins or why is None:
+            if crashes == place.rejoins or why is None:
                 raise
-            place.come_back(args, why, rejoin + 1)
+            crashes += 1
+            place.come_back(args, why, crashes, launches)
+
+
+def _watch_owner(host_dir: Path) -> None:
+    """The host lends itself by its owner's use (train/recovery/owner.py), where its launch settings say so."""
+    from train.recovery import owner
+
+    try:
+        settings = owner.Settings.from_env()
+    except (owner.SettingsError, TypeError) as exc:
+        print(f"ugro: {exc}: this host is taken back by hand only", flush=True)
+        return
+    if settings is not None:
+        owner.OwnerWatch(host_dir, settings, owner.probe()).start()
+        print(f"ugro: lent to the run by its owner's use: {settings}", flush=True)
+
+
+def _group_runs(place: Any) -> bool:
+    """Whether any other host of this host's last group still runs it (its store names a group)."""
+    from train.recovery import failure, rejoin
+
+    assert place.host_dir is not None
+    try:
+        rejoin.find(place.host_dir.parent.parent, place.host_dir.name, int(os.environ.get("UGRO_ATTEMPT", "0")))
+    except failure.RejoinError:
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:

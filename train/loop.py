@@ -30,11 +30,12 @@ from train.metrics import (
     last_logged_step,
     plot_loss,
     rank_figures,
+    steps_by_host,
     take_over,
     write_samples,
     write_status,
 )
-from train.recovery import checkpoint, rejoin
+from train.recovery import checkpoint, lending, rejoin
 from train.recovery.failure import NonFiniteError
 from train.recovery.membership import Change, Membership, weights_digest
 from train.schedule import warmup_cosine
@@ -54,10 +55,11 @@ class Progress:
 
 
 def run(job: JobConfig, run_dir: Path, code_dir: Path, resume: bool, progress: Progress,
-        membership: Membership) -> None:  # fmt: skip
+        membership: Membership) -> bool:  # fmt: skip
     """Train (under `make bench`, the job's benchmark section makes this rank emulate a slower device). Between two
     steps is the one point where the group may change (train/recovery/membership.py): hosts taken back in after a
-    step, or the survivors of a lost host where a step broke off."""
+    step, hosts their owners took back, or the survivors of a lost host where a step broke off. Returns True where
+    this rank's host was taken back and the rank left the run (train/recovery/lending.py), False at the run's end."""
     rank = Rank.set_up(job, run_dir, code_dir, progress, membership)
     joining = rejoin.requested()  # this host's ranks crashed and were started again: they take the group's state
     rank.resume(resume and not joining)
@@ -74,12 +76,16 @@ def run(job: JobConfig, run_dir: Path, code_dir: Path, resume: bool, progress: P
         change: Change | None
         try:
             rank.step(progress.step)
-            change = membership.after_step(rank.balancer.clock.proposed)
+            change = membership.after_step(rank.balancer.clock.proposed, rank.balancer.clock.leavers)
         except Exception as exc:
             change = membership.after_loss(exc, progress.step, rank.trainer.in_place)
+        if change is not None and change.leaves:
+            rank.leave(change)
+            return True
         if change is not None:
             rank.change_group(change)
     rank.finish()
+    return False
 
 
 @dataclass
@@ -211,6 +217,7 @@ class Rank:
             step, self.trainer.batch_rank, self.balancer.plan.shares, self.balancer.micro_sizes()
         )
         self.balancer.clock.proposing = self.membership.door.waiting()  # hosts asking to rejoin: after this step
+        self.balancer.clock.leaving = self.membership.wanted_back(self.trainer.in_place)  # leaves after this step
         loss, tokens = self.trainer.step([self.blocks.batch(ix, self.info.device) for ix in indices])
         shares = self.trainer.rank_shares()  # the split this step ran with
         new_plan = self.balancer.after_step(warming_up=step < self.start + 2)
@@ -295,6 +302,24 @@ class Rank:
                 self.shadow = None
             self.writer = self.keep_records(progress.step)
 
+    def leave(self, change: Change) -> None:
+        """This rank's host was taken back (train/recovery/lending.py): the rank ends after the step every rank of the
+        group completed, and says so on its host; the others go on in ``change.group``, whose main host keeps the
+        run's records from now on (every other host's first rank kept the same rows)."""
+        done = self.progress.step or 0
+        host_dir = self.membership.host_dir
+        asked = lending.request(host_dir) or lending.Request(time.time(), lending.BY_HAND, "taken back")
+        lending.record_left(host_dir, lending.Lent(round(time.time(), 3), done, self.info.attempt,
+                                                   change.group.generation, change.group.main, asked))  # fmt: skip
+        self.membership.finish()
+        for writer in (self.shadow, self.writer):
+            if writer is not None:
+                writer.close()
+        if self.writer is not None:
+            write_status(self.run_dir, records_moved_to={"host": change.group.main, "step": done})
+        log.info("%s: this host's ranks leave the run after step %d; %s go on (main host %s), nothing redone",
+                 asked.line(self.info.host), done, ", ".join(change.group.members), change.group.main)  # fmt: skip
+
     def finish(self) -> None:
         """The adapter, the answers before and after, the loss picture and the finished state; then every rank
         waits for the main one to have written them."""
@@ -316,7 +341,8 @@ class Rank:
                 ]
                 log.info("answers before/after in %s", write_samples(run_dir, job.model.source, items))
             plot_loss(run_dir)
-            write_status(run_dir, state="finished", step=job.train.max_steps, error=None, cause=None)
+            write_status(run_dir, state="finished", step=job.train.max_steps, error=None, cause=None,
+                         steps_by_host=steps_by_host(run_dir))  # fmt: skip
             log.info("finished: adapter in %s", run_dir / "adapter")
         log.info("peak memory of this rank: %.2f GiB (%s)", engine.peak_gib(self.info.device), self.part)
         distributed.wait_for_all("the main rank has written the results", job.distributed.startup_timeout_s)

@@ -47,6 +47,15 @@ def last_logged_step(run_dir: Path) -> int | None:
     return int(rows[-1]["step"]) if rows else None
 
 
+def steps_by_host(run_dir: Path) -> dict[str, int]:
+    """How many of the run's logged steps each host took part in (a host lent, lost or back counts the rest)."""
+    counted: dict[str, int] = {}
+    for row in read_metrics(run_dir):
+        for host in dict.fromkeys((row.get("ranks") or {}).get("host") or []):
+            counted[str(host)] = counted.get(str(host), 0) + 1
+    return counted
+
+
 def take_over(shadow_dir: Path, run_dir: Path) -> None:
     """The rows a host kept for itself (MetricsWriter with tensorboard=False in ``shadow_dir``) become the run's,
     when its host takes over the run's records from a main host that was lost."""

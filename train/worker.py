@@ -2,7 +2,8 @@
 
 Exit codes: 0 finished, 2 bad configuration (message names the file/host and key), 3 the loss or
 gradient went non-finite (the last good checkpoint is kept), 4 any other failure, 5 started again to rejoin the running
-group and found none to rejoin (train/recovery/rejoin.py), 143 stopped. Every
+group and found none to rejoin (train/recovery/rejoin.py), 6 this host was taken back by its owner and its ranks left
+the running group (train/recovery/lending.py: no failure), 143 stopped. Every
 ending but success appends the cause to ``hosts/<host>/failures.jsonl`` (train/recovery/failure.py); the main
 rank also writes it into run.json.
 """
@@ -103,6 +104,7 @@ def _name_process(rank: int) -> None:
 
 
 EXIT_CODES = {"config": 2, "non_finite": 3, "rejoin": 5, "stopped": 143}
+LENT = 6  # not 0: torchrun's agent would wait at its exit barrier for the others', which end with the run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         if info.is_main and not rejoin.requested():  # ranks that rejoin find the run's record kept elsewhere
             write_status(run_dir, job_file=str(args.job))  # for the model card's command that reproduces the run
         membership = Membership(info, server, run_dir, job, GroupHealth(signals.stopped))
-        loop.run(job, run_dir, args.code_dir.resolve(), resume, progress, membership)
-        return 0
+        left = loop.run(job, run_dir, args.code_dir.resolve(), resume, progress, membership)
+        return LENT if left else 0
     except (Exception, failure.Stopped) as exc:
         ended = failure.record(run_dir, exc, host, info.rank if info else rank, progress.step, signals)
         log.error("%s: %s", ended.kind, ended.message)

@@ -116,9 +116,13 @@ class StepClock:
     gathered: list[float] = field(default_factory=list)  # every rank's previous-step compute time
     gathered_tokens: list[float] = field(default_factory=list)  # every rank's previous-step label tokens
     # Plain data the step's exchange carries for the group (train/recovery/membership.py): this rank's term (the main
-    # rank's count of hosts waiting to join), and after the exchange their sum, the same on every rank.
+    # rank's count of hosts waiting to join), and after the exchange their sum, the same on every rank; and whether
+    # this rank's host is wanted back (train/recovery/lending.py: 0 no, else the code of who wants it), and after the
+    # exchange the ranks whose host is, with that code, the same on every rank.
     proposing: int = 0
     proposed: int = 0
+    leaving: int = 0
+    leavers: dict[int, int] = field(default_factory=dict)
     _start: float = 0.0
     _mark: float = 0.0
     _pending_tokens: float = 0.0
@@ -182,18 +186,21 @@ class StepClock:
 
 def exchange(counted_tokens: int, clock: StepClock, health: GroupHealth | None = None) -> int:
     """Collective, once per step: the step's label tokens summed over the ranks (each counts ``counted_tokens``),
-    every rank's compute time and tokens of the previous step into ``clock.gathered*``, and ``clock.proposing``
-    summed into ``clock.proposed`` (a newer group is proposed: every rank learns it in the same step)."""
+    every rank's compute time and tokens of the previous step into ``clock.gathered*``, ``clock.proposing``
+    summed into ``clock.proposed`` (a newer group is proposed: every rank learns it in the same step), and the ranks
+    whose ``clock.leaving`` was set into ``clock.leavers`` (rank -> its code)."""
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
     rank = dist.get_rank() if initialized else 0
-    stats = comm.zeros(2 + 2 * world, torch.float64)
+    stats = comm.zeros(2 + 3 * world, torch.float64)
     stats[0] = counted_tokens
     stats[1 + rank] = clock.last_compute_s
     stats[1 + world + rank] = clock.last_tokens
+    stats[1 + 2 * world + rank] = clock.leaving
     stats[-1] = clock.proposing
     values = _summed(stats, health)
     clock.gathered, clock.gathered_tokens = values[1 : 1 + world], values[1 + world : 1 + 2 * world]
+    clock.leavers = {r: int(code) for r, code in enumerate(values[1 + 2 * world : 1 + 3 * world]) if code > 0}
     clock.proposed = int(values[-1])
     return int(values[0])
 

@@ -19,15 +19,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from train.recovery import lending
 from train.recovery.failure import FAILURES
 
 JOIN_ENV = "UGRO_JOIN"  # train/recovery/rejoin.py reads it
 MARK = "rejoin.json"
+ENDED = "ended.json"  # the ranks' word that the run is over for this host (``ended``)
+LENT_WAIT_S = 2.0  # between two looks, while the host is lent, at its request and at the running group
+GONE_LOOKS = 3  # looks in a row at no running group before a lent host's launcher ends
 NOT_RETRIED = frozenset({"config", "non_finite", "collective", "rejoin"})
 OWN_FAILURES = frozenset({"oom", "error"})
 
@@ -38,6 +45,7 @@ class Place:
 
     host_dir: Path | None
     rejoins: int
+    lends: bool = False  # the host may be taken back and lent again (train/recovery/lending.py)
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Place:
@@ -62,7 +70,7 @@ class Place:
         except (ConfigError, OSError):
             return cls(host_dir, 0)
         # A rejoin restarts this host's ranks: no more often than the run may restart at all.
-        return cls(host_dir, min(job.distributed.rejoins, job.train.max_restarts))
+        return cls(host_dir, min(job.distributed.rejoins, job.train.max_restarts), lends=True)
 
     def records(self) -> int:
         """How many failure records this host has (train/recovery/failure.py ``FAILURES``)."""
@@ -96,20 +104,96 @@ class Place:
             return None
         return "; ".join(signalled + [f"a rank failed ({kind})" for kind in own])
 
-    def come_back(self, args: argparse.Namespace, why: str, count: int) -> None:
+    def lent_since(self, began: float) -> lending.Lent | None:
+        """This host's ranks left the run because the host was taken back (train/recovery/lending.py), since
+        ``began`` (this run of torchrun's start), or None."""
+        lent = lending.left(self.host_dir) if self.host_dir is not None else None
+        return lent if lent is not None and lent.since >= began else None
+
+    def while_lent(self, lent: lending.Lent, group_runs: Callable[[], bool]) -> str | None:
+        """Wait while the host is lent: until its request is withdrawn (`make lend`, or its owner's use is over) ->
+        why its ranks start again; None when the run ended meanwhile (``group_runs`` said no, ``GONE_LOOKS`` times in
+        a row). Nothing of the job holds the GPU meanwhile: this launcher never touched CUDA."""
+        assert self.host_dir is not None
+        print(f"ugro: {lent.request.line(self.host_dir.name)}; the ranks left after step {lent.step}: waiting to be "
+              "lent again", flush=True)  # fmt: skip
+        gone = 0
+        while True:
+            if lending.request(self.host_dir) is None:
+                return f"lent to the run again (it had left after step {lent.step})"
+            gone = 0 if group_runs() else gone + 1
+            if gone >= GONE_LOOKS:
+                return None
+            time.sleep(LENT_WAIT_S)
+
+    def come_back(self, args: argparse.Namespace, why: str, count: int, launch: int, lent: bool = False) -> None:
         """Start this host's ranks again, alone, to rejoin: the note, the old ranks' files gone, torchrun's arguments
-        for a rendezvous of this host's ranks only."""
+        for a rendezvous of this host's ranks only. ``count``: the rejoins after a crash so far (a host lent again
+        counts none); ``launch``: this launcher's runs of torchrun so far."""
         if self.host_dir is not None:
             for stale in [*self.host_dir.glob("worker-rank*.pid"), *self.host_dir.glob("rank*.json")]:
                 stale.unlink(missing_ok=True)
-            note = {"time": round(time.time(), 3), "rejoin": count, "of": self.rejoins, "why": why,
+            note = {"time": round(time.time(), 3), "rejoin": count, "of": self.rejoins, "why": why, "lent": lent,
                     "attempt": int(os.environ.get("UGRO_ATTEMPT", "0"))}  # fmt: skip
             partial = self.host_dir / f"{MARK}.tmp{os.getpid()}"
             partial.write_text(json.dumps(note), encoding="utf-8")
             os.replace(partial, self.host_dir / MARK)
-        print(f"ugro: {why}: starting this host's ranks again to rejoin the run ({count} of {self.rejoins})",
-              flush=True)  # fmt: skip
+        again = "" if lent else f" ({count} of {self.rejoins})"
+        print(f"ugro: {why}: starting this host's ranks again to rejoin the run{again}", flush=True)
         os.environ[JOIN_ENV] = "1"
         args.nnodes, args.node_rank = "1", 0
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_conf = "c10d", "localhost:0", ""
-        args.rdzv_id = f"{args.rdzv_id}-rejoin{count}"
+        args.rdzv_id = f"{args.rdzv_id.split('-rejoin')[0]}-rejoin{launch}"
+
+
+def ended(host_dir: Path, attempt: int, generation: int) -> None:
+    """The ranks of this host are done with the run and every rank of the group has its results (train/loop.py): its
+    launcher need not wait at torchrun's exit barrier for the agents of hosts that left the group (``EndWatch``)."""
+    partial = host_dir / f".{ENDED}.tmp{os.getpid()}"
+    partial.write_text(json.dumps({"time": round(time.time(), 3), "attempt": attempt, "generation": generation}),
+                       encoding="utf-8")  # fmt: skip
+    os.replace(partial, host_dir / ENDED)
+
+
+class EndWatch:
+    """The launcher's thread that ends it once this host's ranks finished a run whose group changed.
+
+    torchrun's agent waits at its exit barrier, after its ranks succeeded, until every agent of the launch is there,
+    for 300 s (torch's ``exit_barrier_timeout``, which torchrun does not let one set). After a change of group an agent
+    never comes: the one of a host that was lost, taken back, or whose ranks came back under an agent of their own.
+    Once the ranks said the run is over (``ended``) and none runs any more, the barrier has nothing left to wait for
+    that will come: after ``GRACE_S`` the launcher ends with status 0, and the host says ``finished`` at once."""
+
+    GRACE_S = 1.0
+
+    def __init__(self, host_dir: Path, began: float) -> None:
+        self.host_dir, self.began = host_dir, began
+        threading.Thread(target=self._run, name="ugro-end-watch", daemon=True).start()
+
+    def over(self) -> bool:
+        import psutil
+
+        try:
+            mark = json.loads((self.host_dir / ENDED).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        if not isinstance(mark, dict) or float(mark.get("time") or 0) < self.began:
+            return False
+        for path in self.host_dir.glob("worker-rank*.pid"):  # pid and start time (train/worker.py)
+            try:
+                pid, start = path.read_text(encoding="utf-8").split()[:2]
+                if abs(psutil.Process(int(pid)).create_time() - float(start)) < 1:
+                    return False  # a rank of this host still runs
+            except (OSError, ValueError, psutil.Error):
+                continue
+        return True
+
+    def _run(self) -> None:
+        while not self.over():
+            time.sleep(0.5)
+        time.sleep(self.GRACE_S)
+        print("ugro: this host's ranks are done and the group changed during the run: not waiting at torchrun's "
+              "exit barrier for the agents of hosts that left it", flush=True)  # fmt: skip
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -13,7 +13,9 @@ steps (or where a step broke off):
 - the controller that follows the run names the survivors of a lost host (``after_loss``: its proposal file);
 - where none follows, the survivors agree among themselves (``after_loss``: train/recovery/consensus.py);
 - the main rank takes in hosts whose ranks came back (``after_step``: announced through the step's exchange), and a
-  host that came back asks for its place (``come_back``).
+  host that came back asks for its place (``come_back``);
+- a host whose owner takes it back (train/recovery/lending.py) leaves after a step: its ranks say so in the step's
+  exchange, so every rank decides the same group without asking anyone (``after_step``).
 
 ``enter`` applies any of them the same way: form the new process group through the main host's store, agree on the
 step (the newest any member completed), take the state of a member that holds it, re-wrap the model and re-plan the
@@ -39,7 +41,7 @@ from train.dist.distributed import RankInfo, StoreServer
 from train.dist.health import GroupHealth, GroupLost
 from train.layout import engine
 from train.metrics import RANK_STATUS, last_logged_step, write_status
-from train.recovery import consensus, failure, jobkey, rejoin
+from train.recovery import comeback, consensus, failure, jobkey, lending, rejoin
 from train.recovery.door import Door
 from train.recovery.group import Group
 from train.recovery.preempt import Preemption
@@ -56,13 +58,18 @@ class Change:
 
     group: Group
     rank: int
-    decided_by: str  # "controller", "survivors" (a host was lost) or "rejoin" (hosts taken back in)
+    decided_by: str  # "controller", "survivors" (a host was lost), "rejoin" (hosts taken back in), "released"
     cause: str
     began: float  # time.time() when the rank began the change
 
     @property
     def grows(self) -> bool:
         return self.decided_by == "rejoin"
+
+    @property
+    def leaves(self) -> bool:
+        """This rank's host was taken back: the rank leaves the run (``rank`` is -1)."""
+        return self.rank < 0
 
 
 class Training(Protocol):
@@ -88,6 +95,7 @@ class Membership:
         self.watcher: Watcher | None = None
         self.heartbeat: Heartbeat | None = None
         self.history: list[dict[str, Any]] = []  # the changes this rank went through, for the run's records
+        self.refused: set[float] = set()  # requests to take a host back that were refused (logged once each)
         # Broken groups and the DDP wrappers over them, kept until the process ends (train/dist/distributed.py
         # ``form`` says why): held by the exit handlers' list, destroyed only after ``finish`` let their work end.
         self.retired: list[Any] = []
@@ -127,9 +135,35 @@ class Membership:
 
     # -- the deciders ------------------------------------------------------------------------------------------------
 
-    def after_step(self, proposed: int) -> Change | None:
-        """After a step whose exchange summed ``proposed`` (the main rank's count of hosts at its door): collective
-        over the group, the main rank proposes the group grown by them; None when it took nobody in."""
+    def wanted_back(self, in_place: bool) -> int:
+        """At a step's start: whether this rank's host is wanted back (its term of the step's exchange: 0, or who
+        wants it: train/recovery/lending.py ``CODES``). Only where the group can go on without it: ranks of several
+        hosts that each hold the whole model."""
+        asked = lending.request(self.host_dir)
+        if asked is None or self.watcher is None:
+            return 0
+        if not in_place:
+            self._refuse(asked, "the ranks hold pipeline stages, cut for the hosts that hold them: `make stop` and "
+                                "`make train RESUME=auto` re-cut them for the hosts left")  # fmt: skip
+            return 0
+        return asked.code
+
+    @property
+    def host_dir(self) -> Path:
+        return self.run_dir / "hosts" / self.info.host
+
+    def _refuse(self, asked: lending.Request, why: str) -> None:
+        if asked.since not in self.refused:
+            self.refused.add(asked.since)
+            log.warning("%s; refused: %s", asked.line(self.info.host), why)
+
+    def after_step(self, proposed: int, leavers: dict[int, int] | None = None) -> Change | None:
+        """After a step whose exchange summed ``proposed`` (the main rank's count of hosts at its door) and named
+        ``leavers`` (ranks whose host is wanted back, and by whom): collective over the group. Hosts wanted back
+        leave first (the hosts at the door wait for the next step); else the main rank proposes the group grown by
+        those at its door. None when the group stays as it is."""
+        if leavers:
+            return self._release(leavers)
         if proposed <= 0:
             return None
         began = time.time()
@@ -139,6 +173,31 @@ class Membership:
             return None
         came = ", ".join(h for h in chosen.members if h not in self.group.members)
         return Change(chosen, self.info.rank, "rejoin", f"{came} came back", began)
+
+    def _release(self, leavers: dict[int, int]) -> Change | None:
+        """The group without the hosts wanted back, decided alike on every rank from the step's exchange. The main
+        host, where it leaves, hands the run's records to the first host that stays. Every rank stops watching the
+        leaving hosts before they go (one barrier of the old group), so that their ending breaks nothing."""
+        began, group = time.time(), self.group
+        going = {group.hosts[r]: code for r, code in sorted(leavers.items())}
+        staying = group.without(frozenset(going))
+        if not staying:  # nobody would train: the run goes on, the request stays until it is withdrawn
+            asked = lending.request(self.host_dir)
+            if asked is not None:
+                self._refuse(asked, f"{', '.join(going)} {'is' if len(going) == 1 else 'are'} the last host(s) of "
+                                    "the run; `make stop` ends the run (its checkpoints stay: `make train "
+                                    "RESUME=auto` continues)")  # fmt: skip
+            return None
+        main = group.main if group.main in staying else staying[0]
+        after = group.survivors(group.generation + 1, staying, main)
+        if self.heartbeat is not None:  # the leaving hosts are no peers any more; a leaving host watches nobody
+            self.heartbeat.follow(after) if self.info.host in staying else self.heartbeat.stop()
+        self.health.gather_objects(None, comm.control_group())  # every rank has let go of the leaving hosts
+        own = lending.request(self.host_dir) if self.info.host in going else None
+        cause = "; ".join(own.line(h) if own is not None and h == self.info.host else lending.taken_back(h, code)
+                          for h, code in going.items())  # fmt: skip
+        rank = group.survivor_rank(self.info.rank, after)
+        return Change(after, -1 if rank is None else rank, "released", cause, began)
 
     def after_loss(self, exc: Exception, done: int, in_place: bool) -> Change:
         """A peer is gone (``exc`` broke step ``done`` + 1): the group of the survivors, as the controller names it
@@ -230,6 +289,7 @@ class Membership:
         self.info, self.group = new, group
         if change.grows and done < 0 and new.local_rank == 0:
             rejoin.clear_mark(self.run_dir, new.host)  # the launcher's note that this host is coming back is answered
+            lending.back(self.host_dir)
         if self.heartbeat is not None:
             self.heartbeat.follow(group)  # the lost hosts are no peers any more, the hosts taken in are
         if self.watcher is not None:
@@ -276,9 +336,12 @@ class Membership:
 
     def settle(self) -> None:
         """Before the process ends: the collectives that a change abandoned end first (at most the collective
-        timeout), so that the retired groups are destroyed at exit without waiting on them."""
+        timeout), so that the retired groups are destroyed at exit without waiting on them. After a change of group,
+        the host's launcher is told that the run is over here (train/recovery/comeback.py ``EndWatch``)."""
         if self.watcher is not None:
             self.health.settle(self.job.distributed.timeout_s)
+        if self.group.generation > 0 and self.info.local_rank == 0:
+            comeback.ended(self.host_dir, self.group.attempt, self.group.generation)
 
 
 def agree_step(done: int) -> tuple[int, int, int]:
