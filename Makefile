@@ -15,13 +15,15 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: role-docs export chat train preflight doctor status logs stop follow validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-launch bench-rank-start bench-4bit bench-headloss bench-pipeline bench-pipeline-cluster
+.PHONY: role-docs export chat train preflight doctor status logs stop release lend follow validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-launch bench-rank-start bench-4bit bench-headloss bench-pipeline bench-pipeline-cluster
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto] [SET=\"optim.lr=1e-4 train.max_steps=200\"]"
 	@echo "make preflight [JOB=...] [INVENTORY=...] [JSON=1]   check every host before a launch (make train runs the fast checks; SKIP_PREFLIGHT=1 skips them)"
 	@echo "make doctor [JOB_ID=...]   explain a failed run from its collected logs: host, cause, fix"
 	@echo "make status|logs|stop [INVENTORY=...] [JOB_ID=...]   the newest job (runs/latest) by default"
+	@echo "make release HOST=node4070 [INVENTORY=...] [JOB_ID=...]   take a host back: its ranks leave after this step"
+	@echo "make lend HOST=node4070 [INVENTORY=...] [JOB_ID=...]      lend it to the job again: its ranks rejoin"
 	@echo "make follow [JOB_ID=...]   follow a running job again after Ctrl-C, a closed terminal or a dead controller"
 	@echo "make test            the whole test suite (ansible-lint, ruff, mypy, pytest, Molecule; root for the test cluster)"
 	@echo "make test-fast       the fast tier: ruff and the unit tests (no cluster, ranks, Ansible or network; < 3 min)"
@@ -92,6 +94,11 @@ doctor: venv
 
 status logs stop: venv
 	$(UGRO) $@ --inventory $(INVENTORY) $(if $(JOB_ID),--job-id $(JOB_ID))
+
+# Take a host back from the running job, and lend it again (docs/recovery.md, "Hosts lent and taken back").
+release lend: venv
+	@test -n "$(HOST)" || { echo "make $@: name the host, e.g. make $@ HOST=node4070" >&2; exit 2; }
+	$(UGRO) $@ $(HOST) --inventory $(INVENTORY) $(if $(JOB_ID),--job-id $(JOB_ID))
 
 # Follow a running job again after Ctrl-C, a closed terminal or a controller that died (docs/recovery.md).
 follow: venv

@@ -146,6 +146,32 @@ def remove_runs(name: str) -> None:
         shutil.rmtree(run)
 
 
+def host_step(testbed: Any, job_id: str) -> int:
+    """The newest step any host's metrics.jsonl records (read from the hosts' own disks)."""
+    step = 0
+    for host in ("tb1", "tb2", "tb3"):  # the test cluster's hosts
+        path = testbed.dir / host / "opt" / "ugro" / "runs" / job_id / "metrics.jsonl"
+        try:
+            step = max(step, int(json.loads(path.read_text().splitlines()[-1])["step"]))
+        except (OSError, ValueError, IndexError, KeyError):
+            continue
+    return step
+
+
+def wait_for_step(
+    testbed: Any, name: str, step: int, follower: subprocess.Popen[str] | None, timeout_s: float = 300
+) -> str:
+    """The id of job ``name``'s newest run once a host's records reach ``step`` (a controller that ends fails it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert follower is None or follower.poll() is None, follower.communicate()[0][-4000:]
+        assert time.monotonic() < deadline, f"the job never reached step {step}"
+        runs = sorted(runs_dir().glob(f"{name}-*"))
+        if runs and host_step(testbed, runs[-1].name) >= step:
+            return runs[-1].name
+        time.sleep(0.2)
+
+
 def job_processes(job_id: str) -> dict[int, str]:
     """Every process on this machine (all test hosts included) whose command line names the hosts' run: its pid
     -> the command line's start."""

@@ -135,7 +135,7 @@ def test_a_host_taken_back_and_lent_again_the_main_host_too(tmp_path: Path, torc
         assert lent is not None and lent.request.by == "hand" and lent.main == "h1", lent
         h2_back = cluster.lend("h2")
         cluster.wait("two steps with h2", lambda: cluster.step() >= lent.step + 2 and "h2" in cluster.members())
-        h1 = cluster.take_back("h1")  # the main host: h3, the first host left in rank order, keeps the run's records from now on
+        h1 = cluster.take_back("h1")  # the main host: h3, the first one left in rank order, keeps the records
         record = json.loads((run_dir / "run.json").read_text())
         assert record["regrouped"]["main"] == "h3", record["regrouped"]
         h1_back = cluster.lend("h1")

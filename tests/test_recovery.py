@@ -27,7 +27,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import PYTHON, REPO, cli, cluster_job, job_processes, newest_run, remove_runs, run_env, runs_dir
+from helpers import (
+    PYTHON,
+    REPO,
+    cli,
+    cluster_job,
+    host_step,
+    job_processes,
+    newest_run,
+    remove_runs,
+    run_env,
+    runs_dir,
+    wait_for_step,
+)
 
 from testbed import cluster as tb
 from train.metrics import read_metrics
@@ -36,31 +48,6 @@ from train.metrics import read_metrics
 pytestmark = pytest.mark.usefixtures("ugro_train")
 
 HOSTS = ("tb1", "tb2", "tb3")
-
-
-def _host_step(testbed: Any, job_id: str) -> int:
-    """The newest step any host's metrics.jsonl records (read from the hosts' own disks)."""
-    step = 0
-    for host in HOSTS:
-        path = testbed.dir / host / "opt" / "ugro" / "runs" / job_id / "metrics.jsonl"
-        try:
-            step = max(step, int(json.loads(path.read_text().splitlines()[-1])["step"]))
-        except (OSError, ValueError, IndexError, KeyError):
-            continue
-    return step
-
-
-def _wait_for_step(
-    testbed: Any, name: str, step: int, follower: subprocess.Popen[str] | None, timeout_s: float = 300
-) -> str:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert follower is None or follower.poll() is None, follower.communicate()[0][-4000:]
-        assert time.monotonic() < deadline, f"the job never reached step {step}"
-        runs = sorted(runs_dir().glob(f"{name}-*"))
-        if runs and _host_step(testbed, runs[-1].name) >= step:
-            return runs[-1].name
-        time.sleep(0.2)
 
 
 def _rank_record(testbed: Any, job_id: str, host: str) -> dict[str, Any]:
@@ -128,10 +115,10 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
 ) -> None:
     follower = _follow(faults_job, cluster)
     try:
-        job_id = _wait_for_step(testbed, "cluster-faults", 7, follower)
+        job_id = wait_for_step(testbed, "cluster-faults", 7, follower)
         assert tb.kill_ranks(testbed.dir, "tb3"), "no rank on tb3"
         crashed = time.monotonic()
-        _wait_for_step(testbed, "cluster-faults", 14, follower)
+        wait_for_step(testbed, "cluster-faults", 14, follower)
         # The controller's record has the fault while the run goes on (a controller that re-attaches reads it). The
         # survivors go on as soon as the controller's word reaches their hosts, a moment before its playbook returns
         # and the controller writes the record: it may come a few steps later.
@@ -159,8 +146,8 @@ def test_three_faults_in_one_run_and_the_job_finishes_every_step(
             time.sleep(0.2)
         regrouped_after_s = time.monotonic() - killed
         survivors = {h: tb.host_ranks(testbed.dir, h) for h in ("tb1", "tb3")}
-        step = _host_step(testbed, job_id)
-        _wait_for_step(testbed, "cluster-faults", step + 2, None)  # on in the new group (its weights recorded)
+        step = host_step(testbed, job_id)
+        wait_for_step(testbed, "cluster-faults", step + 2, None)  # on in the new group (its weights recorded)
         records = {h: _rank_record(testbed, job_id, h) for h in ("tb1", "tb3")}
         weights = [r["regrouped"].get("weights") for r in records.values()]
         # tb1's link cut: tb1 and tb3 alone cannot tell which of them is cut off, and wait for a controller.
@@ -242,7 +229,7 @@ def test_with_no_restarts_left_the_run_fails_with_its_cause_and_nothing_runs(
 ) -> None:
     follower = _follow(doomed_job, cluster)
     try:
-        job_id = _wait_for_step(testbed, "cluster-doomed", 3, follower)
+        job_id = wait_for_step(testbed, "cluster-doomed", 3, follower)
         assert tb.kill_ranks(testbed.dir, "tb2")
         out, _ = follower.communicate(timeout=300)
     finally:

@@ -18,8 +18,23 @@ from ugro.schedulers import render as schedulers
 COLUMNS = ("host", "state", "step", "loss", "tokens/s", "computes", "pids")
 
 
+def _state(s: dict[str, Any], failed: bool) -> str:
+    """The host's state; a host taken back (train/recovery/lending.py) says since when, by whom and why."""
+    state = str(s.get("state") or ("unreachable" if failed else "?"))
+    lent, asked = s.get("lent"), s.get("wanted_back")
+    if state == "lent" and isinstance(lent, dict):
+        request = lent.get("request") or {}
+        return (f"lent since {clock(lent.get('since'))} after step {lent.get('step')} (by {request.get('by')}: "
+                f"{request.get('why')})")  # fmt: skip
+    if state == "running" and isinstance(asked, dict):
+        return f"running, taken back after this step (by {asked.get('by')}: {asked.get('why')})"
+    if state == "running" and isinstance(s.get("rejoining"), dict) and s["rejoining"].get("lent"):
+        return "running, lent again: rejoining the group"
+    return state
+
+
 def _row(host: str, s: dict[str, Any], failed: bool) -> tuple[str, ...]:
-    state = s.get("state") or ("unreachable" if failed else "?")
+    state = _state(s, failed)
     step = f"{s['step']}/{s['total_steps']}" if "step" in s else ""
     computes = "; ".join(f"rank {r}: {part}" for r, part in s.get("parts", {}).items())
     return (host, state, step, f"{s['loss']:.4f}" if "loss" in s else "",

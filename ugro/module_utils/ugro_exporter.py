@@ -92,6 +92,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "ugro_host_memory_used_bytes": ("gauge", "Host memory in use (total minus available)."),
     "ugro_host_memory_total_bytes": ("gauge", "Host memory installed."),
     "ugro_job_state": ("gauge", "The state of the host's current job on this host: 1 for its state, 0 for the others."),
+    "ugro_job_lent_since_timestamp_seconds": (
+        "gauge",
+        "While the host is taken back from the job (by hand or by its owner's use): since when (Unix time).",
+    ),
     "ugro_job_step": ("gauge", "Optimizer steps the job has done (host that keeps the run)."),
     "ugro_job_total_steps": ("gauge", "Optimizer steps the job will do."),
     "ugro_job_loss": ("gauge", "Training loss of the last step (mean per label token, over all ranks)."),
@@ -112,7 +116,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "What the rank computes (value 1): label part, its pipeline stage and decoder layers, or the whole model.",
     ),
 }
-JOB_STATES = ("running", "finished", "failed", "stopped", "lost")
+JOB_STATES = ("running", "lent", "finished", "failed", "stopped", "lost")
 
 
 def _family(name: str, labels: list[str]) -> Any:
@@ -349,6 +353,12 @@ class Collector:
         for name in JOB_STATES:
             fam.add_metric([job, self.host, name], 1.0 if state.get("state") == name else 0.0)
         yield fam
+        lent = state.get("lent")
+        if isinstance(lent, dict) and isinstance(lent.get("since"), int | float):
+            by = str((lent.get("request") or {}).get("by") or "")
+            since = _family("ugro_job_lent_since_timestamp_seconds", ["job", "host", "by"])
+            since.add_metric([job, self.host, by], float(lent["since"]))
+            yield since
         if main:
             yield from self._job_totals(run_dir)
         alive = state.get("pids") or {}

@@ -52,6 +52,9 @@ FOLLOWED = "followed.json"
 # hosts/<host>/rejoin.json: this host's ranks crashed and its launcher started them again to rejoin the others
 # (train/recovery/comeback.py MARK); removed once the group took them back in.
 REJOIN = "rejoin.json"
+# The host was taken back by its owner (train/recovery/lending.py): the request, and the ranks' note that they left.
+LEND_REQUEST = "release.json"
+LENT = "lent.json"
 # The launch: its script, its process group (written by the script itself), torchrun's log, its exit status.
 LAUNCH_SCRIPT = "launch.sh"
 LAUNCH_PID = "launch.pid"
@@ -241,6 +244,14 @@ def rejoining(run_dir: Path, host: str, attempt: int | None) -> dict[str, Any] |
     return found if isinstance(found, dict) and found.get("attempt") == attempt else None
 
 
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        found = json.loads(read_text(path))
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def rank_regrouped(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The newest regroup the ranks went through (their status files' ``regrouped``), or None."""
     found = [r["regrouped"] for r in records if isinstance(r.get("regrouped"), dict)]
@@ -258,7 +269,9 @@ def mark_followed(host_dir: Path, poll_s: float) -> None:
 
 
 def status(run_dir: Path, host: str, main: bool, follow_poll_s: float = 0.0) -> dict[str, Any]:
-    """state: running / finished / failed / stopped / lost / absent, exit code, live pids; on the main host
+    """state: running / lent / finished / failed / stopped / lost / absent, exit code, live pids (``lent``: the host
+    was taken back, its ranks left the run and its launcher waits to be lent again; ``lent`` then says since when and
+    why, ``wanted_back`` the request while it stands); on the main host
     (the one that keeps the metrics) the last step, loss, tokens/s and ETA, and run.json's state and error.
     ``follow_poll_s`` > 0: the controller that follows the run asks, every that many seconds (``mark_followed``);
     ``make status`` and the dashboards ask with 0."""
@@ -270,7 +283,10 @@ def status(run_dir: Path, host: str, main: bool, follow_poll_s: float = 0.0) -> 
         mark_followed(host_dir, follow_poll_s)
     pids = job_pids(run_dir, host)
     exit_code = _read_int(host_dir / EXIT_CODE)
-    if pids:
+    lent = _read_json(host_dir / LENT)
+    if pids and lent is not None and not any(name.startswith("worker") for name in pids):
+        state = "lent"
+    elif pids:
         state = "running"
     elif exit_code == 0:
         state = "finished"
@@ -286,7 +302,9 @@ def status(run_dir: Path, host: str, main: bool, follow_poll_s: float = 0.0) -> 
                   failures=failures(run_dir, host, attempt), parts=parts(records),
                   rank_regrouped=rank_regrouped(records),
                   silent_peers=silent_peers(run_dir, host) if pids else [],
-                  rejoining=rejoining(run_dir, host, attempt) if "launcher" in pids else None)  # fmt: skip
+                  rejoining=rejoining(run_dir, host, attempt) if "launcher" in pids else None,
+                  lent=lent if state == "lent" else None,
+                  wanted_back=_read_json(host_dir / LEND_REQUEST) if pids else None)  # fmt: skip
     if main:
         last = last_metrics(run_dir)
         if last is not None:

@@ -82,6 +82,8 @@ class Restart:
             done = "regrouped" + (" by the survivors themselves" if self.decided_by == "survivors" else "")
             if self.decided_by == "rejoin":
                 done = "taken back in"
+            if self.decided_by == "released":
+                done = "went on"
         return (f"restart {self.attempt}: {self.cause.line()} -> {done} on {', '.join(self.hosts_after)} "
                 f"from step {start} ({redone} steps redone)")  # fmt: skip
 

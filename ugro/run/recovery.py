@@ -182,21 +182,31 @@ def survivors_regroups(statuses: Statuses, attempt: int, generation: int) -> lis
 
 
 def adopted(
-    agreed: list[dict[str, Any]], hosts: list[str], inventory: list[str], restarts_before: int
-) -> tuple[list[Restart], tuple[list[str], str, int]]:
+    agreed: list[dict[str, Any]], hosts: list[str], inventory: list[str], restarts_before: int,
+    lent: Iterable[str] = (),
+) -> tuple[list[Restart], tuple[list[str], str, int]]:  # fmt: skip
     """The survivors' own regroups (``survivors_regroups``) as the run's restarts, numbered after
-    ``restarts_before``, and the hosts, main host and generation the run has after them."""
+    ``restarts_before``, and the hosts, main host and generation the run has after them. ``lent``: the hosts taken
+    back from the run before these (train/recovery/lending.py), so that one coming back is told from a crashed one."""
     restarts: list[Restart] = []
     main, generation = hosts[0], 0
+    away = set(lent)
     for record in agreed:
         after = [str(h) for h in record["hosts"]]
         left = [h for h in hosts if h not in after]
         main, generation = str(record.get("main") or after[0]), int(record["generation"])
         step = int(record.get("from_step") or 0)
-        if record.get("decided_by") == "rejoin":
+        decided_by = str(record.get("decided_by") or "survivors")
+        if decided_by == "rejoin":
             came = [h for h in after if h not in hosts]
-            cause = Cause("rejoined", "its ranks crashed, were started again and came back into the group",
-                          ", ".join(came) or "?")  # fmt: skip
+            why = ("lent to the run again, its ranks came back into the group" if set(came) <= away else
+                   "its ranks crashed, were started again and came back into the group")  # fmt: skip
+            cause = Cause("rejoined", why, ", ".join(came) or "?")
+            away -= set(came)
+        elif decided_by == "released":
+            cause = Cause("lent", f"{record.get('cause') or 'taken back'}; the others went on without it",
+                          ", ".join(left) or "?")  # fmt: skip
+            away |= set(left)
         else:
             cause = Cause("lost", "its job was gone or it did not answer; the survivors went on without it",
                           ", ".join(left) or "?")  # fmt: skip
@@ -204,7 +214,7 @@ def adopted(
             attempt=restarts_before + len(restarts) + 1, time=float(record.get("time") or 0.0), cause=cause,
             hosts_before=hosts, hosts_after=after, left_out=[h for h in inventory if h not in after],
             main_host=main, checkpoint_step=None, last_step_seen=step, how="regroup",
-            regroup_s=record.get("seconds"), decided_by=str(record.get("decided_by") or "survivors"),
+            regroup_s=record.get("seconds"), decided_by=decided_by,
         )  # fmt: skip
         restart.settle(step, step)  # nothing redone: the survivors went on from the newest step any of them had
         restarts.append(restart)

@@ -492,7 +492,9 @@ class Supervisor:
         """The regroups the survivors agreed on themselves (``agreed``, oldest first) become the run's restarts; the
         hosts, main host and generation the run has now."""
         inventory = list(self.cluster.hosts)
-        adopted, (hosts, main, generation) = recovery.adopted(agreed, hosts, inventory, len(self.restarts))
+        lent = [h for r in self.restarts if r.cause.kind == "lent" for h in r.cause.host.split(", ")]
+        lent = [h for h in lent if h not in hosts]  # taken back and not in the group since
+        adopted, (hosts, main, generation) = recovery.adopted(agreed, hosts, inventory, len(self.restarts), lent)
         for restart in adopted:
             self.console.print(f"[bold yellow]{escape(restart.line())}[/]", highlight=False)
         self.restarts += adopted
@@ -512,8 +514,9 @@ class Supervisor:
         return None
 
     def _counted(self) -> int:
-        """The restarts that count against ``train.max_restarts``: a host taken back in is not one (its crash was)."""
-        return sum(1 for r in self.restarts if r.decided_by != "rejoin")
+        """The restarts that count against ``train.max_restarts``: neither a host taken back in (its crash was) nor
+        one its owner took back or lent again (no fault at all)."""
+        return sum(1 for r in self.restarts if r.decided_by not in ("rejoin", "released"))
 
     def _survivors(
         self, statuses: Statuses, hosts: list[str], main: str, gone: list[str], cause: Cause

@@ -1,0 +1,110 @@
+"""`ugro release HOST` and `ugro lend HOST`: take a host back from the running job (its ranks leave after the step
+under way, the others go on without it) and lend it to the job again (its ranks rejoin after a step, with the step,
+weights and optimizer state). The decision is ugro/run/lending.py's; playbooks/lend.yml writes or removes the host's
+request; no controller needs to follow the run."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ugro.commands.common import DEFAULT_INVENTORY, InventoryOpt, JobIdOpt, console, fail, job_id_or_latest
+from ugro.hosts.playbook import run_playbook, runs_dir
+from ugro.run import lending
+
+HostArg = Annotated[str, typer.Argument(help="the inventory's name of the host")]
+WaitOpt = Annotated[float, typer.Option(help="seconds to wait for the host's ranks to leave or come back; 0: none")]
+
+
+def _statuses(inventory: Path, job_id: str) -> dict[str, dict[str, Any]]:
+    run = run_playbook("status.yml", inventory, {"ugro_job_id": job_id}, runs_dir() / ".control" / "status")
+    found = {h: dict(run.facts.get(h, {}).get("train_job_status", {})) for h in run.hosts}
+    for host, message in run.failures.items():
+        found[host] = {"state": "unreachable", "error": message.splitlines()[0] if message else ""}
+    return found
+
+
+def _ask(inventory: Path, job_id: str, host: str, action: str, request: dict[str, Any] | None) -> None:
+    extravars: dict[str, Any] = {"ugro_job_id": job_id, "ugro_lend_action": action}
+    if request is not None:
+        extravars["ugro_lend_request"] = request
+    run = run_playbook("lend.yml", inventory, extravars, runs_dir() / ".control" / "lend", limit=[host])
+    if not run.ok:
+        message = next(iter(run.failures.values()), "the lend playbook failed")
+        raise fail(f"{host}: {message.splitlines()[0] if message else 'the lend playbook failed'}", code=1)
+
+
+def _wait(inventory: Path, job_id: str, host: str, done: Any, seconds: float) -> dict[str, Any] | None:
+    deadline = time.monotonic() + seconds
+    while True:
+        status = _statuses(inventory, job_id).get(host, {})
+        if done(status):
+            return status
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(1.0)
+
+
+def release(
+    host: HostArg,
+    inventory: InventoryOpt = DEFAULT_INVENTORY,
+    job_id: JobIdOpt = None,
+    why: Annotated[str, typer.Option(help="the reason, for the run's records")] = "taken back with make release",
+    wait: WaitOpt = 60.0,
+) -> None:
+    """Take HOST back from the running job: its ranks leave after the step under way, its GPU is free; the others go
+    on without it, nothing redone."""
+    job_id = job_id_or_latest(job_id)
+    refusal = lending.release_refusal(_statuses(inventory, job_id), host, job_id)
+    if refusal is not None:
+        raise fail(refusal)
+    began = time.time()
+    _ask(inventory, job_id, host, "release", {"since": round(began, 3), "by": "hand", "why": why})
+    console.print(f"{host}: taken back from job {job_id}; its ranks leave after the step under way", highlight=False)
+    if wait <= 0:
+        return
+    status = _wait(inventory, job_id, host, lambda s: s.get("state") != "running", wait)
+    lent = (status or {}).get("lent") or {}
+    if status is None or status.get("state") != "lent":
+        state = "still training" if status is None else status.get("state")
+        raise fail(f"{host}: its ranks have not left within {wait:g} s ({state}); `make status` shows where it is",
+                   code=1)  # fmt: skip
+    console.print(f"{host}: its ranks left after step {lent.get('step')} ({time.time() - began:.1f} s); "
+                  f"{lent.get('main')} keeps the run's records. `make lend HOST={host}` lends it again",
+                  highlight=False)  # fmt: skip
+
+
+def lend(
+    host: HostArg,
+    inventory: InventoryOpt = DEFAULT_INVENTORY,
+    job_id: JobIdOpt = None,
+    wait: WaitOpt = 120.0,
+) -> None:
+    """Lend HOST to the running job again: its ranks start, rejoin the group after a step and train on."""
+    job_id = job_id_or_latest(job_id)
+    refusal = lending.lend_refusal(_statuses(inventory, job_id), host, job_id)
+    if refusal is not None:
+        raise fail(refusal)
+    began = time.time()
+    _ask(inventory, job_id, host, "lend", None)
+    console.print(f"{host}: lent to job {job_id} again; its ranks load and rejoin the group", highlight=False)
+    if wait <= 0:
+        return
+    status = _wait(inventory, job_id, host, _back, wait)
+    if status is None:
+        raise fail(f"{host}: its ranks are not back in the group within {wait:g} s; `make status` shows where it is",
+                   code=1)  # fmt: skip
+    console.print(f"{host}: training again ({time.time() - began:.1f} s)", highlight=False)
+
+
+def _back(status: dict[str, Any]) -> bool:
+    """The host's ranks train in the group again: running, not lent, not waiting to be taken in."""
+    return status.get("state") == "running" and not status.get("rejoining") and not status.get("lent")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(release)
+    app.command()(lend)
