@@ -69,6 +69,19 @@ class Settings:
         unknown = sorted(set(data) - known)
         if unknown:
             raise SettingsError(f"{ENV}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        for field in fields(cls):  # the kind of each value is that of its default
+            if field.name not in data:
+                continue
+            value, default = data[field.name], field.default
+            if isinstance(default, bool):
+                good, want = isinstance(value, bool), "true or false"
+            elif isinstance(default, int | float):
+                number = isinstance(value, int | float) and not isinstance(value, bool)
+                good, want = number and value > 0, "a positive number"
+            else:
+                good, want = isinstance(value, str), "a string"
+            if not good:
+                raise SettingsError(f"{ENV}: {field.name} is {json.dumps(value)}, it must be {want}")
         made = cls(**data)
         made.windows()  # the hours parse
         return made
