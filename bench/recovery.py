@@ -13,7 +13,10 @@ before (a laptop that lost power): the survivors then decide themselves (train/r
 follow``, started after tb2's regroup, takes the run up and handles the cut. With ``--fault rank`` only tb2's rank is
 SIGKILLed (a crashed rank on a host that stays up: the OOM killer, a driver error): tb1 and tb3 go on without it, tb2's
 launcher starts its rank again and the group takes it back in (train/recovery/rejoin.py), and one more figure says when
-the first step with tb2 back in ended. Step
+the first step with tb2 back in ended. With ``--fault lend`` tb2 is taken back by hand instead (``ugro release tb2``, as
+`make release` runs it: its ranks leave after a step and the others go on) and, once tb1 and tb3 stepped without it,
+lent again (``ugro lend tb2``): the figures are the seconds from the command to tb2's ranks gone (their memory free)
+and to the others' next step, and from ``ugro lend`` to the first step with tb2 back in. Step
 times come from the ranks' own metrics.jsonl (wall clock of this machine, which all test hosts share); where
 the time went comes from the run's restart record. The last line is one JSON object with the figures, the CPU
 seconds the whole machine spent from the launch to the first step (``launch_cpu_s``: controller, Ansible, the three
@@ -97,8 +100,10 @@ def _back_in(bed: Any, job_id: str, host: str, moment: float) -> float | None:
     return min(times) - moment if times else None
 
 
-def _first_step_after(bed: Any, job_id: str, moment: float) -> float:
-    return min(r["time"] for r in _rows(bed, job_id) if r["time"] > moment) - moment
+def _first_step_after(bed: Any, job_id: str, moment: float, without: str | None = None) -> float:
+    """Seconds from ``moment`` to the end of the first step after it (``without``: that host took no part in)."""
+    rows = [r for r in _rows(bed, job_id) if r["time"] > moment]
+    return min(r["time"] for r in rows if without not in (r.get("ranks") or {}).get("host", [])) - moment
 
 
 class CpuClock:
@@ -170,6 +175,8 @@ class Result:
     fault: str
     kill_to_back_in_s: float | None
     rejoins: int
+    release_to_freed_s: float | None = None  # --fault lend: `ugro release tb2` -> tb2's ranks gone
+    lend_to_first_step_s: float | None = None  # `ugro lend tb2` -> the first step with tb2 back in
 
 
 @dataclass
@@ -178,7 +185,9 @@ class Timeline:
 
     job_id: str = ""
     started: float = 0.0
-    killed: float = 0.0
+    killed: float = 0.0  # tb2's fault: its kill, or `ugro release tb2`
+    freed: float = 0.0  # --fault lend: tb2's ranks gone
+    lent: float = 0.0  # `ugro lend tb2`
     cut: float = 0.0
     loads: list[float] = field(default_factory=list)
     output: str = ""  # what the (last) controller printed
@@ -201,7 +210,9 @@ def _drive(bed: Any, cluster: Path, job_file: Path, controller: str, fault: str)
     if controller != "follows":
         _end_controller(proc, controller, 2.0)
     at.killed = killed = time.time()
-    if fault == "rank":
+    if fault == "lend":
+        _take_back(bed, cluster, at)
+    elif fault == "rank":
         tb.kill_ranks(bed.dir, "tb2")
     else:
         tb.kill_processes(bed.dir, "tb2", f"/opt/ugro/runs/{job_id}")
@@ -215,7 +226,7 @@ def _drive(bed: Any, cluster: Path, job_file: Path, controller: str, fault: str)
     while not any(r["time"] > killed and r["step"] >= 27 for r in _rows(bed, job_id)):
         time.sleep(0.1)
     # One fault at a time: tb2's rank back in the group and two steps done with it before tb1's cut.
-    while fault == "rank" and len([r for r in _rows(bed, job_id) if r["time"] > killed
+    while fault in ("rank", "lend") and len([r for r in _rows(bed, job_id) if r["time"] > killed
                                    and "tb2" in (r.get("ranks") or {}).get("host", [])]) < 2:  # fmt: skip
         if time.time() > killed + 300:
             raise SystemExit("tb2's rank did not come back within 300 s of its kill")
@@ -231,23 +242,44 @@ def _drive(bed: Any, cluster: Path, job_file: Path, controller: str, fault: str)
     return at
 
 
+def _take_back(bed: Any, cluster: Path, at: Timeline) -> None:
+    """tb2 taken back by hand, then lent again once tb1 and tb3 stepped without it: when its ranks were gone, and when
+    ``ugro lend`` began."""
+    where = ["--inventory", str(cluster), "--job-id", at.job_id, "--wait", "0"]
+    release = _controller(["release", "tb2", *where])
+    while testbed_cluster.host_ranks(bed.dir, "tb2"):
+        if time.time() > at.killed + 120:
+            raise SystemExit("tb2's ranks did not leave within 120 s of `ugro release tb2`")
+        time.sleep(0.05)
+    at.freed = time.time()
+    if release.wait(timeout=120) != 0:
+        raise SystemExit(f"ugro release failed:\n{release.communicate()[0][-3000:]}")
+    while not any(r["time"] > at.freed and "tb2" not in r["ranks"]["host"] for r in _rows(bed, at.job_id)):
+        time.sleep(0.1)
+    at.lent = time.time()
+    lend = _controller(["lend", "tb2", *where])
+    if lend.wait(timeout=120) != 0:
+        raise SystemExit(f"ugro lend failed:\n{lend.communicate()[0][-3000:]}")
+
+
 def _figures(bed: Any, at: Timeline, record: RunRecord, fault: str) -> list[Figure]:
     """The launch's figure, then each fault's, with the restart the run recorded for it (found by the host its cause
     names; a host taken back in is a record of its own)."""
     first = min(r["time"] for r in _rows(bed, at.job_id)) - at.started
     figures = [Figure("launch -> first optimizer step (normal start)", first, "goal <= 15 s")]
     by_host = {r.cause.host: r for r in reversed(record.restarts) if r.decided_by != "rejoin"}
-    killed_what = "tb2's rank" if fault == "rank" else "tb2's job"
+    killed_what = {"rank": "SIGKILL of tb2's rank", "host": "SIGKILL of tb2's job", "lend": "`ugro release tb2`"}
     for what, moment, goal, host in [
-        (f"SIGKILL of {killed_what} -> next step on tb1 + tb3", at.killed, "goal <= 10 s, 0 redone", "tb2"),
+        (f"{killed_what[fault]} -> next step on tb1 + tb3", at.killed, "goal <= 10 s, 0 redone", "tb2"),
         ("tb1 (the main host) link cut -> next step on the hosts left", at.cut, "goal <= 20 s", "tb1"),
     ]:
-        seconds = _first_step_after(bed, at.job_id, moment)
+        seconds = _first_step_after(bed, at.job_id, moment, without=host if fault == "lend" else None)
         figures.append(Figure(what, seconds, goal, by_host.get(host), moment))
     return figures
 
 
-def _print(figures: list[Figure], record: RunRecord, run_dir: Path, back: float | None, launch_cpu: float) -> None:
+def _print(figures: list[Figure], record: RunRecord, run_dir: Path, back: float | None, launch_cpu: float,
+           lent: tuple[float, float] | None = None) -> None:  # fmt: skip
     table = Table(title="recovery on the 3-host test cluster (this machine's load shows in every figure)")
     for column in ("what", "seconds", "goal", "how", "detect", "stop / tell", "checkpoint", "launch",
                    "to next step", "redone"):  # fmt: skip
@@ -257,6 +289,9 @@ def _print(figures: list[Figure], record: RunRecord, run_dir: Path, back: float 
     console.print(table)
     if back is not None:
         console.print(f"tb2's rank SIGKILLed -> first step with tb2 back in: {back:.1f} s", highlight=False)
+    if lent is not None:
+        console.print(f"`ugro release tb2` -> tb2's ranks gone: {lent[0]:.1f} s; `ugro lend tb2` -> first step with "
+                      f"tb2 back in: {lent[1]:.1f} s", highlight=False)  # fmt: skip
     console.print(f"final hosts {record.hosts}, main host {record.main_host}; run {run_dir}", highlight=False)
     console.print(f"the first launch's phases (s): {json.dumps(phases.recorded(run_dir))}", highlight=False)
     console.print(f"CPU the machine spent from the launch to the first step (every process): {launch_cpu:.1f} s "
@@ -269,7 +304,9 @@ def main(
     controller: str = typer.Option(
         "follows", help="follows: throughout; gone: detached before tb2's kill; died: SIGKILLed just before it"
     ),
-    fault: str = typer.Option("host", help="host: every job process on tb2 is SIGKILLed; rank: only its rank"),
+    fault: str = typer.Option(
+        "host", help="host: every job process on tb2 is SIGKILLed; rank: only its rank; lend: tb2 taken back and lent"
+    ),
     rejoins: int = typer.Option(
         2, help="the job's distributed.rejoins (0: a crashed rank is a relaunch of every host)"
     ),
@@ -277,8 +314,10 @@ def main(
     """Bring up the test cluster, run the job with its two faults, print the figures."""
     if controller not in ("follows", "gone", "died"):
         raise typer.BadParameter(f"--controller {controller}: follows, gone or died")
-    if fault not in ("host", "rank"):
-        raise typer.BadParameter(f"--fault {fault}: host or rank")
+    if fault not in ("host", "rank", "lend"):
+        raise typer.BadParameter(f"--fault {fault}: host, rank or lend")
+    if fault == "lend" and controller != "follows":
+        raise typer.BadParameter("--fault lend: with --controller follows (`ugro release` needs no controller)")
     tb = testbed_cluster
     directory = Path(tempfile.mkdtemp(prefix="ugro-bench-recovery-"))
     jobs = contextlib.ExitStack()
@@ -305,7 +344,9 @@ def main(
         figures = _figures(bed, at, record, fault)
         launch_cpu = clock.busy(at.started, at.started + figures[0].seconds)
         back = _back_in(bed, at.job_id, "tb2", at.killed) if fault == "rank" else None
-        _print(figures, record, run_dir, back, launch_cpu)
+        lent_back = _back_in(bed, at.job_id, "tb2", at.lent) if fault == "lend" else None
+        lent = (at.freed - at.killed, lent_back) if lent_back is not None else None
+        _print(figures, record, run_dir, back, launch_cpu, lent)
         kill, cut = figures[1], figures[2]
         result = Result(
             launch_to_first_step_s=round(figures[0].seconds, 1), launch_cpu_s=round(launch_cpu, 1),
@@ -316,6 +357,8 @@ def main(
             load=round(sum(at.loads) / len(at.loads), 2), polls="exporters" if exporters else "ansible",
             controller=controller, kill_decided_by=kill.restart.decided_by if kill.restart else None, fault=fault,
             kill_to_back_in_s=round(back, 1) if back is not None else None, rejoins=rejoins,
+            release_to_freed_s=round(lent[0], 1) if lent else None,
+            lend_to_first_step_s=round(lent[1], 1) if lent else None,
         )  # fmt: skip
         print(json.dumps(asdict(result)), flush=True)
 

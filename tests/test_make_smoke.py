@@ -32,6 +32,8 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "export": ("tests/test_make_train.py", 'make("export"'),
     "status": ("tests/test_cluster.py", 'make("status"'),
     "stop": ("tests/test_cluster.py", 'make("stop"'),
+    "release": ("tests/test_cluster_lending.py", '[*make, "release"]'),
+    "lend": ("tests/test_cluster_lending.py", '[*make, "lend"]'),
 }
 # target -> why it does not run in CI, and what runs its command instead.
 NOT_IN_CI: dict[str, str] = {

@@ -96,6 +96,7 @@ def _launch(argv: list[str]) -> None:
     if place.host_dir is not None and place.lends:
         _watch_owner(place.host_dir)
     crashes = launches = 0
+    lent_again = False  # this run of torchrun's ranks came back after the host was lent again
     while True:
         seen, began = place.records(), time.time()
         if place.host_dir is not None:
@@ -105,6 +106,9 @@ def _launch(argv: list[str]) -> None:
             return
         except ChildFailedError as exc:
             launches += 1
+            if lent_again and place.kinds_since(seen) == {"rejoin"}:
+                print("ugro: the run ended while this host was coming back to it", flush=True)
+                return
             lent = place.lent_since(began)
             if lent is not None:
                 why = place.while_lent(lent, lambda: _group_runs(place))
@@ -112,12 +116,14 @@ def _launch(argv: list[str]) -> None:
                     print("ugro: the run ended while this host was lent", flush=True)
                     return
                 place.come_back(args, why, crashes, launches, lent=True)
+                lent_again = True
                 continue
             why = place.crashed(exc, seen)
             if crashes == place.rejoins or why is None:
                 raise
             crashes += 1
             place.come_back(args, why, crashes, launches)
+            lent_again = False
 
 
 def _watch_owner(host_dir: Path) -> None:

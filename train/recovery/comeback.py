@@ -91,10 +91,14 @@ class Place:
                 continue
         return found
 
+    def kinds_since(self, seen: int) -> set[str]:
+        """The kinds of the failure records written after the first ``seen``."""
+        return {str(r.get("kind")) for r in self._records()[seen:]}
+
     def crashed(self, failure: Any, seen: int) -> str | None:
         """Why this host's ranks start again after torchrun's ``ChildFailedError``, or None when they do not.
         ``seen``: the failure records there were before this launch of torchrun."""
-        kinds = {str(r.get("kind")) for r in self._records()[seen:]}
+        kinds = self.kinds_since(seen)
         if kinds & NOT_RETRIED:
             return None
         codes = {int(rank): int(f.exitcode) for rank, f in failure.failures.items()}
