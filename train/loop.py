@@ -184,6 +184,7 @@ class Rank:
             self.run_dir, state="running", step=first, total_steps=job.train.max_steps, backend=self.trainer.backend,
             world_size=info.world_size, plan=self.balancer.plan.to_dict(), layout=self.layout.to_dict(),
             error=None, cause=None,  # a relaunch after a failure starts clean
+            records_moved_to=None,  # this host keeps them (again)
             # What the model card (ugro/model/card.py) tells: the job as the main rank runs it (rank_local with its
             # host's profile merged), and the data it trained and was judged on.
             job=job.model_dump(mode="json"),

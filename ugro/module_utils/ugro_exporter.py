@@ -92,9 +92,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "ugro_host_memory_used_bytes": ("gauge", "Host memory in use (total minus available)."),
     "ugro_host_memory_total_bytes": ("gauge", "Host memory installed."),
     "ugro_job_state": ("gauge", "The state of the host's current job on this host: 1 for its state, 0 for the others."),
-    "ugro_job_lent_since_timestamp_seconds": (
+    "ugro_lent_since_timestamp_seconds": (
         "gauge",
-        "While the host is taken back from the job (by hand or by its owner's use): since when (Unix time).",
+        "While the host is taken back from its job (by hand or by its owner's use): since when (Unix time), by whom "
+        "and why.",
     ),
     "ugro_job_step": ("gauge", "Optimizer steps the job has done (host that keeps the run)."),
     "ugro_job_total_steps": ("gauge", "Optimizer steps the job will do."),
@@ -347,7 +348,9 @@ class Collector:
         if run_dir is None:
             return
         job = run_dir.name
-        main = (run_dir / ugro_jobstate.STATUS).is_file()
+        # The host that keeps the run: its run.json, unless it handed the records on when it was taken back.
+        record = _read_json(run_dir / ugro_jobstate.STATUS)
+        main = record is not None and not record.get("records_moved_to")
         state = ugro_jobstate.status(run_dir, self.host, main)
         fam = _family("ugro_job_state", ["job", "host", "state"])
         for name in JOB_STATES:
@@ -355,9 +358,10 @@ class Collector:
         yield fam
         lent = state.get("lent")
         if isinstance(lent, dict) and isinstance(lent.get("since"), int | float):
-            by = str((lent.get("request") or {}).get("by") or "")
-            since = _family("ugro_job_lent_since_timestamp_seconds", ["job", "host", "by"])
-            since.add_metric([job, self.host, by], float(lent["since"]))
+            request = lent.get("request") or {}
+            since = _family("ugro_lent_since_timestamp_seconds", ["job", "host", "by", "why"])
+            since.add_metric([job, self.host, str(request.get("by") or ""), str(request.get("why") or "")[:120]],
+                             float(lent["since"]))  # fmt: skip
             yield since
         if main:
             yield from self._job_totals(run_dir)

@@ -171,6 +171,10 @@ class Dashboard(App[None]):
         ranks = ",".join(str(r.rank) for r in s.ranks)
         cpu = f"CPU, {s.cpus:.0f} cores" if s.cpus else "CPU"
         up = Text("up", style="green")
+        if s.lent is not None:  # taken back from the job (train/recovery/lending.py)
+            since, by, why = s.lent
+            up = Text(f"lent since {time.strftime('%H:%M:%S', time.localtime(since))} (by {by}: {why})",
+                      style="yellow")  # fmt: skip
         memory = _gib(s.memory_used, s.memory_total)
         rows: list[tuple[str, list[str | Text]]] = [
             (name, [name, up, cpu, _ratio(s.cpu_utilization), memory, DASH, DASH, ranks]),

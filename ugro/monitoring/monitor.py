@@ -141,6 +141,7 @@ class HostSample:
     ranks: list[Rank] = field(default_factory=list)
     job: Job | None = None  # on the host that keeps the run
     job_states: dict[str, str] = field(default_factory=dict)  # job -> its state on this host
+    lent: tuple[float, str, str] | None = None  # taken back from its job: since (Unix time), by whom, why
     names: set[str] = field(default_factory=set)  # every sample name, as exported
 
 
@@ -183,6 +184,8 @@ def parse(text: str) -> HostSample:
                 key = (labels.get("job", ""), int(labels["rank"]))
                 rank = ranks.setdefault(key, Rank(key[1], labels.get("host", ""), key[0]))
                 rank.part = labels.get("part")
+            elif name == "ugro_lent_since_timestamp_seconds":
+                sample.lent = (value, labels.get("by", ""), labels.get("why", ""))
             elif name == "ugro_job_state":
                 if value == 1:
                     sample.job_states[labels.get("job", "")] = labels.get("state", "")
