@@ -226,7 +226,8 @@ def _drive(bed: Any, cluster: Path, job_file: Path, controller: str, fault: str)
     while not any(r["time"] > killed and r["step"] >= 27 for r in _rows(bed, job_id)):
         time.sleep(0.1)
     # One fault at a time: tb2's rank back in the group and two steps done with it before tb1's cut.
-    while fault in ("rank", "lend") and len([r for r in _rows(bed, job_id) if r["time"] > killed
+    back_from = at.lent if fault == "lend" else killed  # lent: tb2 trained on until it left after the release
+    while fault in ("rank", "lend") and len([r for r in _rows(bed, job_id) if r["time"] > back_from
                                    and "tb2" in (r.get("ranks") or {}).get("host", [])]) < 2:  # fmt: skip
         if time.time() > killed + 300:
             raise SystemExit("tb2's rank did not come back within 300 s of its kill")
@@ -255,6 +256,8 @@ def _take_back(bed: Any, cluster: Path, at: Timeline) -> None:
     if release.wait(timeout=120) != 0:
         raise SystemExit(f"ugro release failed:\n{release.communicate()[0][-3000:]}")
     while not any(r["time"] > at.freed and "tb2" not in r["ranks"]["host"] for r in _rows(bed, at.job_id)):
+        if time.time() > at.freed + 120:
+            raise SystemExit("tb1 and tb3 took no step without tb2 within 120 s of its ranks' end")
         time.sleep(0.1)
     at.lent = time.time()
     lend = _controller(["lend", "tb2", *where])
@@ -328,8 +331,10 @@ def main(
         if exporters:
             jobs.callback(testbed_exporters.set_state, cluster, "stopped")
             testbed_exporters.set_state(cluster, "started")
-        # Detached, the controller is waited out for three polls and 10 s before tb2's kill: the run must outlast it.
-        train = {"max_steps": 400 if controller == "gone" else 40, "global_batch_size": 6, "log_every": 10}
+        # Detached, the controller is waited out for three polls and 10 s before tb2's kill; `ugro release` and
+        # `ugro lend` run playbooks: the run must outlast them.
+        long = controller == "gone" or fault == "lend"
+        train = {"max_steps": 400 if long else 40, "global_batch_size": 6, "log_every": 10}
         job = tiny_job(NAME, train=train, checkpoint={"every": 5, "keep_last": 3},
                        distributed={"timeout_s": 20, "rejoins": rejoins})  # fmt: skip
         job_file = jobs.enter_context(job)

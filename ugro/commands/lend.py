@@ -6,25 +6,33 @@ request; no controller needs to follow the run."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from ugro.commands.common import DEFAULT_INVENTORY, InventoryOpt, JobIdOpt, console, fail, job_id_or_latest
+from ugro.commands.common import DEFAULT_INVENTORY, InventoryOpt, JobIdOpt, cluster, console, fail, job_id_or_latest
 from ugro.hosts.playbook import run_playbook, runs_dir
+from ugro.monitoring import monitor
+from ugro.monitoring.jobstates import ExporterStates
 from ugro.run import lending
+from ugro.run.follow import RemoteSource, local_source
 
 HostArg = Annotated[str, typer.Argument(help="the inventory's name of the host")]
 WaitOpt = Annotated[float, typer.Option(help="seconds to wait for the host's ranks to leave or come back; 0: none")]
 
 
-def _statuses(inventory: Path, job_id: str) -> dict[str, dict[str, Any]]:
-    run = run_playbook("status.yml", inventory, {"ugro_job_id": job_id}, runs_dir() / ".control" / "status")
-    found = {h: dict(run.facts.get(h, {}).get("train_job_status", {})) for h in run.hosts}
-    for host, message in run.failures.items():
-        found[host] = {"state": "unreachable", "error": message.splitlines()[0] if message else ""}
-    return found
+def _source(inventory: Path, job_id: str) -> Callable[[], dict[str, dict[str, Any]]]:
+    """Every host's state of the job, as a following controller reads it: from the hosts' exporters, through
+    playbooks/status.yml where one gives none (the files themselves where the hosts write into this checkout)."""
+    found = cluster(inventory)
+    if not found.remote:
+        return lambda: {h: dict(s) for h, s in local_source(runs_dir() / job_id, found.hosts)().items()}
+    targets = [monitor.target(h, found.hostvars.get(h, {})) for h in found.hosts]
+    remote = RemoteSource(inventory, job_id, runs_dir() / ".control" / "status", found.hosts, found.main_host,
+                          ExporterStates(targets, job_id))  # fmt: skip
+    return lambda: {h: dict(s) for h, s in remote().items()}
 
 
 def _ask(inventory: Path, job_id: str, host: str, action: str, request: dict[str, Any] | None) -> None:
@@ -37,10 +45,11 @@ def _ask(inventory: Path, job_id: str, host: str, action: str, request: dict[str
         raise fail(f"{host}: {message.splitlines()[0] if message else 'the lend playbook failed'}", code=1)
 
 
-def _wait(inventory: Path, job_id: str, host: str, done: Any, seconds: float) -> dict[str, Any] | None:
+def _wait(statuses: Callable[[], dict[str, dict[str, Any]]], host: str, done: Any,
+          seconds: float) -> dict[str, Any] | None:  # fmt: skip
     deadline = time.monotonic() + seconds
     while True:
-        status = _statuses(inventory, job_id).get(host, {})
+        status = statuses().get(host, {})
         if done(status):
             return status
         if time.monotonic() >= deadline:
@@ -58,7 +67,8 @@ def release(
     """Take HOST back from the running job: its ranks leave after the step under way, its GPU is free; the others go
     on without it, nothing redone."""
     job_id = job_id_or_latest(job_id)
-    refusal = lending.release_refusal(_statuses(inventory, job_id), host, job_id)
+    statuses = _source(inventory, job_id)
+    refusal = lending.release_refusal(statuses(), host, job_id)
     if refusal is not None:
         raise fail(refusal)
     began = time.time()
@@ -66,7 +76,7 @@ def release(
     console.print(f"{host}: taken back from job {job_id}; its ranks leave after the step under way", highlight=False)
     if wait <= 0:
         return
-    status = _wait(inventory, job_id, host, lambda s: s.get("state") != "running", wait)
+    status = _wait(statuses, host, lambda s: s.get("state") != "running", wait)
     lent = (status or {}).get("lent") or {}
     if status is None or status.get("state") != "lent":
         state = "still training" if status is None else status.get("state")
@@ -85,7 +95,8 @@ def lend(
 ) -> None:
     """Lend HOST to the running job again: its ranks start, rejoin the group after a step and train on."""
     job_id = job_id_or_latest(job_id)
-    refusal = lending.lend_refusal(_statuses(inventory, job_id), host, job_id)
+    statuses = _source(inventory, job_id)
+    refusal = lending.lend_refusal(statuses(), host, job_id)
     if refusal is not None:
         raise fail(refusal)
     began = time.time()
@@ -93,7 +104,7 @@ def lend(
     console.print(f"{host}: lent to job {job_id} again; its ranks load and rejoin the group", highlight=False)
     if wait <= 0:
         return
-    status = _wait(inventory, job_id, host, _back, wait)
+    status = _wait(statuses, host, _back, wait)
     if status is None:
         raise fail(f"{host}: its ranks are not back in the group within {wait:g} s; `make status` shows where it is",
                    code=1)  # fmt: skip
