@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import PYTHON, REPO, free_port, run_env, write_job
+from helpers import free_port, host_launcher, write_job
 
 from train.metrics import read_metrics
 
@@ -35,19 +35,7 @@ def _pids(run_dir: Path, host: str) -> list[int]:
 
 
 def _launch(host: str, port: int, job: Path, run_dir: Path, log: Path) -> subprocess.Popen[bytes]:
-    env = run_env() | {
-        "UGRO_HOST": host,
-        "UGRO_MAIN_HOST": "1" if host == "h1" else "0",
-        "OMP_NUM_THREADS": "1",
-        "UGRO_CLUSTER_ADDRESS": "127.0.0.1",
-        "UGRO_TEST_DIE": "h2:allreduce:6",
-    }
-    argv = [PYTHON, "-m", "train.launcher", f"--nnodes={len(HOSTS)}", f"--node-rank={HOSTS.index(host)}",
-            "--nproc-per-node=1", "--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=rejoin",
-            "--local-addr=127.0.0.1", "--max-restarts=0", "--module", "tests.fixtures.faulty_worker", "--job",
-            str(job), "--run-dir", str(run_dir), "--code-dir", str(REPO)]  # fmt: skip
-    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    return host_launcher(HOSTS, host, port, job, run_dir, log, {"UGRO_TEST_DIE": "h2:allreduce:6"})
 
 
 def test_a_crashed_rank_comes_back_and_the_others_never_stop(tmp_path: Path) -> None:

@@ -35,14 +35,23 @@ def _source(inventory: Path, job_id: str) -> Callable[[], dict[str, dict[str, An
     return lambda: {h: dict(s) for h, s in remote().items()}
 
 
-def _ask(inventory: Path, job_id: str, host: str, action: str, request: dict[str, Any] | None) -> None:
+def _asked(inventory: Path, job_id: str, host: str, action: str,
+           why: str | None) -> tuple[Callable[[], dict[str, dict[str, Any]]], float]:  # fmt: skip
+    """Check that ``action`` (release or lend) can be done now (ugro/run/lending.py), then write the host's request
+    (``why``) or remove it (playbooks/lend.yml): where the hosts' states come from, and when it was asked."""
+    statuses = _source(inventory, job_id)
+    refusal = (lending.release_refusal if action == "release" else lending.lend_refusal)(statuses(), host, job_id)
+    if refusal is not None:
+        raise fail(refusal)
+    began = time.time()
     extravars: dict[str, Any] = {"ugro_job_id": job_id, "ugro_lend_action": action}
-    if request is not None:
-        extravars["ugro_lend_request"] = request
+    if why is not None:
+        extravars["ugro_lend_request"] = {"since": round(began, 3), "by": "hand", "why": why}
     run = run_playbook("lend.yml", inventory, extravars, runs_dir() / ".control" / "lend", limit=[host])
     if not run.ok:
-        message = next(iter(run.failures.values()), "the lend playbook failed")
-        raise fail(f"{host}: {message.splitlines()[0] if message else 'the lend playbook failed'}", code=1)
+        message = next(iter(run.failures.values()), "") or "the lend playbook failed"
+        raise fail(f"{host}: {message.splitlines()[0]}", code=1)
+    return statuses, began
 
 
 def _wait(statuses: Callable[[], dict[str, dict[str, Any]]], host: str, done: Any,
@@ -67,12 +76,7 @@ def release(
     """Take HOST back from the running job: its ranks leave after the step under way, its GPU is free; the others go
     on without it, nothing redone."""
     job_id = job_id_or_latest(job_id)
-    statuses = _source(inventory, job_id)
-    refusal = lending.release_refusal(statuses(), host, job_id)
-    if refusal is not None:
-        raise fail(refusal)
-    began = time.time()
-    _ask(inventory, job_id, host, "release", {"since": round(began, 3), "by": "hand", "why": why})
+    statuses, began = _asked(inventory, job_id, host, "release", why)
     console.print(f"{host}: taken back from job {job_id}; its ranks leave after the step under way", highlight=False)
     if wait <= 0:
         return
@@ -95,12 +99,7 @@ def lend(
 ) -> None:
     """Lend HOST to the running job again: its ranks start, rejoin the group after a step and train on."""
     job_id = job_id_or_latest(job_id)
-    statuses = _source(inventory, job_id)
-    refusal = lending.lend_refusal(statuses(), host, job_id)
-    if refusal is not None:
-        raise fail(refusal)
-    began = time.time()
-    _ask(inventory, job_id, host, "lend", None)
+    statuses, began = _asked(inventory, job_id, host, "lend", None)
     console.print(f"{host}: lent to job {job_id} again; its ranks load and rejoin the group", highlight=False)
     if wait <= 0:
         return
