@@ -134,7 +134,7 @@ def test_a_host_taken_back_and_lent_again_the_main_host_too(tmp_path: Path, torc
         h1_back = cluster.lend("h1")
         assert _pids(run_dir, "h3") == first["h3"]  # h3 trained every step in the process it started with
         cluster.wait("the run's end", lambda: _state(run_dir) == "finished", every=0.1)
-        # Every launcher ends within seconds: none waits at torchrun's exit barrier for the agents that left.
+        # Every launcher ends by itself: none waits at torchrun's exit barrier for the agents that left.
         ended_in = cluster.wait("every launcher to end", lambda: all(a.poll() is not None for a in agents.values()))
         assert {h: a.returncode for h, a in agents.items()} == dict.fromkeys(HOSTS, 0), cluster.logs()
     finally:
@@ -145,7 +145,7 @@ def test_a_host_taken_back_and_lent_again_the_main_host_too(tmp_path: Path, torc
     print(f"taken back: h2 freed {h2['freed_s']:.2f} s, others' next step {h2['next_step_s']:.2f} s; h2 back in "
           f"{h2_back:.2f} s; h1 freed {h1['freed_s']:.2f} s, next step {h1['next_step_s']:.2f} s; h1 back in "
           f"{h1_back:.2f} s; every launcher ended {ended_in:.2f} s after the run finished")  # fmt: skip
-    assert ended_in < 10, ended_in
+    assert ended_in < 30, ended_in  # torchrun's exit barrier would hold them 300 s
     record = json.loads((run_dir / "run.json").read_text())
     assert record["state"] == "finished", record
     history = [(r["hosts"], r["decided_by"]) for r in record["regroups"]]
@@ -160,7 +160,7 @@ def test_a_host_taken_back_and_lent_again_the_main_host_too(tmp_path: Path, torc
     assert steps_by_host["h3"] == STEPS and steps_by_host["h1"] < STEPS and steps_by_host["h2"] < STEPS
     assert record["steps_by_host"] == steps_by_host, record.get("steps_by_host")
     for seconds in (h2["freed_s"], h2["next_step_s"], h1["freed_s"], h1["next_step_s"]):
-        assert seconds < 10, (h2, h1)
+        assert seconds < 30, (h2, h1)  # bounds, not targets: a wait on a collective would take its 60 s
 
     # The same job on one process, never interrupted: the same adapter, up to the order of floating-point sums. (An
     # uninterrupted run of three ranks differs from it by 3.1e-4 of each tensor's largest weight after these 60 steps
