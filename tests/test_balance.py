@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from helpers import PYTHON, REPO, Run, run_env, small_job, write_job
+from helpers import Run, make, small_job, write_job
 
 from train.config import ConfigError, JobConfig, load_job
 from train.dist import distributed
@@ -136,22 +135,16 @@ def test_ddp_start_up_does_not_broadcast_the_frozen_base_across_hosts(testbed: A
 
 @pytest.mark.usefixtures("torchrun")  # bench.bench starts torchrun itself
 def test_make_bench_emulates_the_speeds_plans_and_ends_with_the_ratio(tmp_path: Path) -> None:
-    """The benchmark harness end to end, shortened: figures are not judged here, its mechanics are. Two emulated
-    devices, not make bench's three: each run starts one process fewer, and the balance itself is judged above.
+    """`make bench` end to end, as a user types it, shortened: figures are not judged here, its mechanics are (the
+    make target's one run in CI: tests/test_make_smoke.py). Two emulated devices, not make bench's three: each run
+    starts one process fewer, and the balance itself is judged above.
     The emulated devices are slow (--scale 0.15: make bench's own choice here is 0.4): a device's time is its real
     compute where that is longer, and beside the other half of the suite a rank's real compute took more than the 2.5
     times of its calibration that 0.4 leaves; then both ranks looked equally fast and the balanced run kept equal
     shares. 0.15 leaves 6.7 times."""
     args = ["--factors", "1.0,0.5", "--steps", "7", "--skip", "5", "--rounds", "1", "--pairs", "1", "--scale", "0.15"]
     args += ["--global-batch", "12", "--micro-batch", "4", "--seq-len", "32", "--out", str(tmp_path)]
-    result = subprocess.run(
-        [PYTHON, "-m", "bench.bench", "run", *args],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = make("bench", f"BENCH_ARGS={' '.join(args)}", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     last = result.stdout.strip().splitlines()[-1]
     figures = json.loads((tmp_path / "results.json").read_text())

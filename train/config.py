@@ -82,7 +82,21 @@ FORMAT_FIELDS = {
     "instruction": ("instruction", "input", "output"),
     "chat": ("messages", "role", "content"),
     "text": ("text",),
+    # Preference pairs (train.method dpo, orpo, kto): TRL's prompt / chosen / rejected, each a string or a list of
+    # messages (ShareGPT's 'conversations' as the prompt, with chosen / rejected {from, value} turns).
+    "preference": ("prompt", "chosen", "rejected", "system", "role", "content"),
+    # Unpaired examples (train.method kto): a prompt, one completion and whether it is desirable (TRL's 'label').
+    "unpaired": ("prompt", "completion", "label", "system", "role", "content"),
 }
+# What train.method each data.format serves (and the format a method reads by default: the first).
+METHOD_FORMATS = {
+    "sft": ("instruction", "chat", "text"),
+    "dpo": ("preference",),
+    "orpo": ("preference",),
+    "kto": ("preference", "unpaired"),
+}
+# The loss variants of each preference method (preference.loss), the first the default: TRL's names and formulas.
+METHOD_LOSSES = {"dpo": ("sigmoid", "hinge", "ipo", "robust"), "kto": ("kto", "apo_zero_unpaired"), "orpo": ("orpo",)}
 ChatRole = Literal["system", "user", "assistant"]
 
 
@@ -122,7 +136,7 @@ class DataConfig(_Strict):
         description="Speaker names of a chat data set and the chat role each stands for ({customer: user, agent: "
         "assistant}), beside the usual ones (user, assistant, system; ShareGPT's human and gpt).",
     )
-    format: Literal["instruction", "chat", "text"] = "instruction"
+    format: Literal["instruction", "chat", "text", "preference", "unpaired"] = "instruction"
     split: str = "train"
     seq_len: int = Field(256, ge=8)
     packing: bool = True
@@ -197,6 +211,13 @@ class ScheduleConfig(_Strict):
 
 
 class RunConfig(_Strict):
+    method: Literal["sft", "dpo", "orpo", "kto"] = Field(
+        "sft",
+        description="sft: supervised fine-tuning on answers; dpo, orpo, kto: preference tuning on chosen and "
+        "rejected answers (data.format preference, or unpaired for kto; knobs in the preference section; "
+        "docs/preference.md). With a preference method, train.global_batch_size and rank_local.micro_batch_size "
+        "count pairs (kto: examples), each two rows of data.seq_len.",
+    )
     max_steps: int = Field(100, gt=0, description="Optimizer steps of the run (or give train.epochs instead).")
     epochs: float | None = Field(
         None,
@@ -217,6 +238,41 @@ class RunConfig(_Strict):
         1,
         gt=0,
         description="The fewest hosts the job may continue on after losing some; with fewer it ends failed.",
+    )
+
+
+class PreferenceConfig(_Strict):
+    """The preference methods' knobs (train.method dpo, orpo, kto), as TRL names them (docs/preference.md)."""
+
+    beta: float = Field(
+        0.1,
+        gt=0,
+        description="dpo, kto: how far the tuned model may move from the reference (the base: the adapter off); "
+        "ipo: its regularization tau; orpo: the weight of the odds-ratio term beside the chosen answers' NLL.",
+    )
+    loss: str | None = Field(
+        None,
+        description="The method's loss variant: dpo: sigmoid (the default), hinge, ipo, robust; kto: kto (the "
+        "default), apo_zero_unpaired (no KL term); orpo has one.",
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="dpo with loss robust: the assumed share of pairs whose chosen and rejected answers are swapped.",
+    )
+    reference: Literal["live", "cached"] = Field(
+        "live",
+        description="dpo, kto: the reference log-probabilities. live: computed at every step with the adapter off; "
+        "cached: once per pair, the first time a rank trains it, and kept (the base never changes: the same "
+        "figures, one forward pass fewer per pair after the first epoch).",
+    )
+    desirable_weight: float = Field(1.0, gt=0, description="kto: the weight of a desirable example's loss.")
+    undesirable_weight: float = Field(1.0, gt=0, description="kto: the weight of an undesirable example's loss.")
+    disable_dropout: bool = Field(
+        True,
+        description="Dropout off in the model and its LoRA layers (as TRL's disable_dropout), so that the tuned "
+        "model's and the reference's log-probabilities differ by the adapter alone.",
     )
 
 
@@ -357,7 +413,9 @@ class StagesConfig(_Strict):
 
 Parallel = Literal["auto", "data"] | StagesConfig
 
-CLUSTER_WIDE_SECTIONS = ("model", "lora", "data", "eval", "optim", "schedule", "train", "checkpoint", "distributed")
+CLUSTER_WIDE_SECTIONS = (
+    "model", "lora", "data", "eval", "optim", "schedule", "train", "preference", "checkpoint", "distributed",
+)  # fmt: skip
 
 
 class JobConfig(_Strict):
@@ -369,6 +427,7 @@ class JobConfig(_Strict):
     optim: OptimConfig = OptimConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     train: RunConfig = RunConfig()
+    preference: PreferenceConfig = PreferenceConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     distributed: DistributedConfig = DistributedConfig()
     balance: Balance = Field(
@@ -396,10 +455,54 @@ class JobConfig(_Strict):
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be smaller than "
                 f"train.max_steps ({self.train.max_steps})"
             )
-        problem = self.rank_local.budget_problem(self.data.seq_len)
+        problem = self.rank_local.budget_problem(self.data.seq_len) or self._method_problem()
         if problem:
             raise ValueError(problem)
         return self
+
+    def _method_problem(self) -> str | None:
+        """Why train.method does not fit the data, the preference knobs or the layout, or None."""
+        method, fmt, pref = self.train.method, self.data.format, self.preference
+        formats = METHOD_FORMATS[method]
+        if fmt not in formats:
+            if method == "sft":
+                return (
+                    f"data.format '{fmt}' holds preference data, which train.method 'sft' does not train on: set "
+                    "train.method: dpo, orpo or kto (docs/preference.md), or give instruction, chat or text data"
+                )
+            return (f"train.method '{method}' trains on chosen and rejected answers: set data.format: "
+                    f"{' or '.join(formats)} (docs/preference.md), not '{fmt}'")  # fmt: skip
+        if method == "sft":
+            return None
+        if pref.loss is not None and pref.loss not in METHOD_LOSSES[method]:
+            return (f"preference.loss '{pref.loss}' is no loss of train.method '{method}': use "
+                    f"{', '.join(METHOD_LOSSES[method])}")  # fmt: skip
+        if pref.label_smoothing > 0 and self.preference_loss != "robust":
+            return (
+                "preference.label_smoothing applies to preference.loss: robust (dpo) alone; set that loss or "
+                "leave label_smoothing out"
+            )
+        if self.data.packing and "packing" in self.data.model_fields_set:
+            return (
+                "data.packing: preference pairs are never packed (each answer is a row of its own, so that its "
+                "log-probability is its own): remove data.packing or set it to false"
+            )
+        if not isinstance(self.parallel, str):
+            return (
+                f"parallel: pipeline stages do not run train.method '{method}' (the loss needs both answers' "
+                "log-probabilities of a pair on one rank, with and without the adapter): use parallel: data"
+            )
+        return None
+
+    @property
+    def preference_loss(self) -> str:
+        """The preference method's loss variant (preference.loss, or the method's default)."""
+        return self.preference.loss or METHOD_LOSSES.get(self.train.method, ("",))[0]
+
+    @property
+    def rows_per_item(self) -> int:
+        """Rows of data.seq_len one item of the global batch takes: a pair two (kto: an example and its KL row)."""
+        return 1 if self.train.method == "sft" else 2
 
     def steps_per_epoch(self, rows: int) -> float:
         """Optimizer steps in one pass over ``rows`` training rows."""
@@ -421,8 +524,9 @@ class JobConfig(_Strict):
 
     @property
     def micro_batch_cap(self) -> int:
-        """The largest micro-batch (sequences) this rank takes: its memory profile's limit."""
-        return self.rank_local.cap(self.data.seq_len)
+        """The largest micro-batch this rank takes: its memory profile's limit in sequences, in items (pairs) of
+        ``rows_per_item`` sequences each with a preference method."""
+        return max(1, self.rank_local.cap(self.data.seq_len) // self.rows_per_item)
 
     def cluster_wide(self) -> dict[str, Any]:
         """The part of the job that must be identical on every rank."""

@@ -19,6 +19,7 @@ from train.balance.sampler import GlobalBatchSampler
 from train.config import JobConfig
 from train.data import evaluate
 from train.data.blocks import Blocks, prepare
+from train.data.pairblocks import PairBlocks, prepare_eval_pairs, prepare_pairs
 from train.data.records import describe_source
 from train.dist import distributed
 from train.dist.distributed import RankInfo
@@ -101,7 +102,7 @@ class Rank:
     layout: Layout  # train/layout/placement.py: data parallel, or pipeline stages
     trainer: engine.Engine  # train/layout/engine.py: a whole replica, or this rank's stage
     trainable: list[torch.nn.Parameter]  # what the optimizer updates
-    blocks: Blocks
+    blocks: Blocks | PairBlocks  # PairBlocks: a preference method's pairs (train/data/pairblocks.py)
     held_out: evaluate.HeldOut | None
     data: dict[str, Any] | None  # run.json ``data`` (the main rank's, hashed while the others load)
     optimizer: torch.optim.Optimizer
@@ -126,9 +127,9 @@ class Rank:
         layout = placement.decide(job, info, code_dir)  # data parallel, or pipeline stages when the model needs them
         job = placement.sized(job, layout, info.rank)  # a smaller micro-batch where only that fits the whole model
         trainer = engine.build(job, info, code_dir, layout, run_dir, membership.health)
-        blocks = prepare(job.data, trainer.tokenizer, code_dir, job.train.seed)
+        blocks = _training_rows(job, trainer.tokenizer, code_dir)
         job = job.for_rows(len(blocks))  # train.epochs: the run's length in steps, from the rows every rank built
-        held_out = evaluate.load(job, trainer.tokenizer, code_dir)
+        held_out = _held_out(job, trainer.tokenizer, code_dir)
         data = _data_facts(job, code_dir, blocks, held_out) if info.is_main else None  # hashing: inside the wait
         # Loading takes each host its own time; from here on collectives wait at most distributed.timeout_s.
         distributed.wait_for_all("the model and data are loaded", job.distributed.startup_timeout_s)
@@ -193,18 +194,31 @@ class Rank:
         return MetricsWriter(self.run_dir, job.train.max_steps, first)
 
     def held_out_loss(self, step: int, adapter: bool = True) -> None:
-        """Every rank evaluates its part; the main rank records the mean over all of them."""
+        """Every rank evaluates its part; the main rank records the mean over all of them (with a preference
+        method, the held-out pairs' figures: train/preference/evaluate.py)."""
         if self.held_out is None or self.job.eval is None:
             return
-        with contextlib.nullcontext() if adapter else self.trainer.base_model():
-            value, count = self.trainer.held_out_loss(self.held_out, self.job.eval.batch_size)
+        pairs: dict[str, float | None] | None = None
+        if isinstance(self.trainer, engine.DataParallel) and self.trainer.preference is not None:
+            pairs = self.trainer.held_out_preference(self.held_out, self.job.eval.batch_size, adapter)
+            value, count = float(pairs["loss"] or 0.0), int(pairs["items"] or 0)
+        else:
+            with contextlib.nullcontext() if adapter else self.trainer.base_model():
+                value, count = self.trainer.held_out_loss(self.held_out, self.job.eval.batch_size)
         if self.shadow is not None:
-            self.shadow.log_eval(step, value, count, adapter)
+            self.shadow.log_eval(step, value, count, adapter, pairs)
         if self.writer is not None:
-            self.writer.log_eval(step, value, count, adapter)
-            log.info("step %d: held-out loss %.4f over %d answer tokens (%s)", step, value, count,
-                     "fine-tuned" if adapter else "base model")  # fmt: skip
-            write_status(self.run_dir, **{"eval_loss_after" if adapter else "eval_loss_before": round(value, 6)})
+            self.writer.log_eval(step, value, count, adapter, pairs)
+            who = "fine-tuned" if adapter else "base model"
+            if pairs is None:
+                log.info("step %d: held-out loss %.4f over %d answer tokens (%s)", step, value, count, who)
+            else:
+                log.info("step %d: held-out %s loss %.4f over %d items, %s (%s)", step, self.job.train.method,
+                         value, count, pair_line(pairs), who)  # fmt: skip
+            fields: dict[str, Any] = {"eval_loss_after" if adapter else "eval_loss_before": round(value, 6)}
+            if pairs is not None:
+                fields["eval_preference_after" if adapter else "eval_preference_before"] = pairs
+            write_status(self.run_dir, **fields)
 
     def describe(self) -> None:
         """What this rank computes, and on what (for `make status` and the model card)."""
@@ -264,11 +278,13 @@ class Rank:
         RankStatus(info.host, info.rank, done, total, loss, figures, self.part, self.device,
                    progress.regrouped).write(self.run_dir)  # fmt: skip
         epoch = self.sampler.epoch_of(done)
+        pairs = self.trainer.preference.figures if isinstance(self.trainer, engine.DataParallel) and \
+            self.trainer.preference is not None else None  # fmt: skip
         if self.shadow is not None:
-            self.shadow.log(done, loss, tokens, lr, grad_norm, epoch, figures)
+            self.shadow.log(done, loss, tokens, lr, grad_norm, epoch, figures, pairs)
         if self.writer is None:
             return
-        row = self.writer.log(done, loss, tokens, lr, grad_norm, epoch, figures)
+        row = self.writer.log(done, loss, tokens, lr, grad_norm, epoch, figures, pairs)
         if done == self.start + 1 and info.attempt == 0:  # the first launch's (a relaunch's are in its restart)
             write_status(self.run_dir, phases=self.phases | {"first_step": row["time"]})
         if done % self.job.train.log_every == 0 or done in (self.start + 1, total):
@@ -350,7 +366,33 @@ class Rank:
         self.membership.settle()  # collectives a change of group abandoned end before the process does
 
 
-def _data_facts(job: JobConfig, code_dir: Path, blocks: Blocks, held_out: evaluate.HeldOut | None) -> dict[str, Any]:
+def _training_rows(job: JobConfig, tokenizer: Any, code_dir: Path) -> Blocks | PairBlocks:
+    """The training rows every rank builds alike: packed blocks for sft, pairs for a preference method."""
+    if job.train.method == "sft":
+        return prepare(job.data, tokenizer, code_dir, job.train.seed)
+    return prepare_pairs(job, tokenizer, code_dir)
+
+
+def _held_out(job: JobConfig, tokenizer: Any, code_dir: Path) -> evaluate.HeldOut | None:
+    if job.eval is None or job.train.method == "sft":
+        return evaluate.load(job, tokenizer, code_dir)
+    records, pairs = prepare_eval_pairs(job.eval.source, job, tokenizer, code_dir)
+    return evaluate.HeldOut(records, pairs)
+
+
+def pair_line(figures: dict[str, float | None]) -> str:
+    """The held-out pairs' figures in a line: the model's own preference, and the rewards against the base."""
+    parts = []
+    if figures.get("preference_accuracy") is not None:
+        parts.append(f"prefers the chosen answer in {figures['preference_accuracy']:.0%} of pairs")
+    parts.append(f"log-prob margin {figures.get('logp_margin') or 0.0:+.3f}")
+    parts.append(f"reward margin {figures.get('rewards_margin') or 0.0:+.3f}")
+    return ", ".join(parts)
+
+
+def _data_facts(
+    job: JobConfig, code_dir: Path, blocks: Blocks | PairBlocks, held_out: evaluate.HeldOut | None
+) -> dict[str, Any]:
     """run.json ``data``: each data file as the job names it, its sha256 and the records the run loaded from it
     (with several data sets, ``train_sets``: each one's, with its weight and the records it gave an epoch)."""
     facts: dict[str, Any] = {}

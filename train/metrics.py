@@ -112,8 +112,10 @@ class MetricsWriter:
         grad_norm: float,
         epoch: float,
         ranks: dict[str, list[Any]] | None = None,
+        pairs: dict[str, float] | None = None,
     ) -> dict[str, Any]:
-        """One optimizer step; ``ranks`` (``rank_figures``) holds every rank's host, share and speed."""
+        """One optimizer step; ``ranks`` (``rank_figures``) holds every rank's host, share and speed; ``pairs`` a
+        preference method's figures of the step (rewards, margin, accuracy: train/preference/step.py)."""
         self.tokens_since_start += tokens
         elapsed = time.monotonic() - self.started
         done = step - self.start_step
@@ -132,25 +134,35 @@ class MetricsWriter:
         }
         if ranks is not None:
             row["ranks"] = ranks
+        extra = {key: round(value, 6) for key, value in (pairs or {}).items() if key != "loss"}
+        row |= extra
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", *extra):
                 self._tb.add_scalar(f"train/{key}", row[key], step)
         return row
 
-    def log_eval(self, step: int, loss: float, tokens: int, adapter: bool = True) -> dict[str, Any]:
-        """One held-out evaluation: step 0 with adapter=False is the base model."""
-        row = {
+    def log_eval(self, step: int, loss: float, tokens: int, adapter: bool = True,
+                 pairs: dict[str, float | None] | None = None) -> dict[str, Any]:  # fmt: skip
+        """One held-out evaluation: step 0 with adapter=False is the base model; ``pairs``: a preference method's
+        held-out figures (``tokens`` is then the held-out items)."""
+        row: dict[str, Any] = {
             "step": step,
             "eval_loss": round(loss, 6),
             "tokens": tokens,
             "model": "fine-tuned" if adapter else "base",
         }
+        extra = {key: None if value is None else round(value, 6) for key, value in (pairs or {}).items()
+                 if key not in ("loss", "items")}  # fmt: skip
+        row |= extra
         with (self.run_dir / EVAL).open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(row) + "\n")
         if self._tb is not None:
             self._tb.add_scalar("eval/loss", loss, step)
+            for key, value in extra.items():
+                if value is not None:
+                    self._tb.add_scalar(f"eval/{key}", value, step)
         return row
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, Self, cast
 
@@ -130,6 +130,8 @@ class StepClock:
     _last: Event | None = None
     _ended: tuple[Event, Event] | None = None  # the ended step's, until ``last_compute_s`` resolves them
     _device_s: float = 0.0
+    _gaps: list[tuple[Event, Event]] = field(default_factory=list)  # waits inside the running step (``excluded``)
+    _ended_gaps: list[tuple[Event, Event]] = field(default_factory=list)
 
     @classmethod
     def for_device(cls, device: torch.device, device_s_per_token: float = 0.0) -> StepClock:
@@ -146,7 +148,8 @@ class StepClock:
             for event in (first, last):  # complete by now (the step ended with a host sync); if not, wait for it
                 if not event.query():
                     event.synchronize()
-            self._device_s, self._ended = first.elapsed_time(last) / 1000, None
+            gaps = sum(a.elapsed_time(b) for a, b in self._ended_gaps)  # complete: they lie before ``last``
+            self._device_s, self._ended = (first.elapsed_time(last) - gaps) / 1000, None
         return self._device_s
 
     def _device_mark(self) -> Event | None:
@@ -160,6 +163,19 @@ class StepClock:
         self._start = self._mark = time.perf_counter()
         self._first = self._last = self._device_mark()
         self._pending_tokens = 0
+        self._gaps = []
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Inside, the rank waits for its peers (an all-reduce inside the step): that time is not its compute."""
+        before, mark = time.perf_counter(), self._device_mark()
+        try:
+            yield
+        finally:
+            self._start += time.perf_counter() - before
+            after = self._device_mark()
+            if mark is not None and after is not None:
+                self._gaps.append((mark, after))
 
     def work(self, tokens: float) -> None:
         """The next lap computes these tokens (only the benchmark's emulated device uses it)."""
@@ -181,7 +197,7 @@ class StepClock:
     def end(self) -> None:
         self.last_host_s = self._mark - self._start
         if self._first is not None and self._last is not None:
-            self._ended = (self._first, self._last)
+            self._ended, self._ended_gaps = (self._first, self._last), self._gaps
 
 
 def exchange(counted_tokens: int, clock: StepClock, health: GroupHealth | None = None) -> int:
@@ -189,20 +205,31 @@ def exchange(counted_tokens: int, clock: StepClock, health: GroupHealth | None =
     every rank's compute time and tokens of the previous step into ``clock.gathered*``, ``clock.proposing``
     summed into ``clock.proposed`` (a newer group is proposed: every rank learns it in the same step), and the ranks
     whose ``clock.leaving`` was set into ``clock.leavers`` (rank -> its code)."""
+    return exchange_sums(counted_tokens, clock, health)[0]
+
+
+def exchange_sums(
+    counted_tokens: int, clock: StepClock, health: GroupHealth | None = None, extra: Sequence[float] = ()
+) -> tuple[int, list[float]]:
+    """``exchange``, carrying ``extra`` figures too (a preference step's item and token counts): each summed over
+    the ranks, in the same all-reduce."""
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
     rank = dist.get_rank() if initialized else 0
-    stats = comm.zeros(2 + 3 * world, torch.float64)
+    base = 2 + 3 * world
+    stats = comm.zeros(base + len(extra), torch.float64)
     stats[0] = counted_tokens
     stats[1 + rank] = clock.last_compute_s
     stats[1 + world + rank] = clock.last_tokens
     stats[1 + 2 * world + rank] = clock.leaving
-    stats[-1] = clock.proposing
+    stats[base - 1] = clock.proposing
+    for i, value in enumerate(extra):
+        stats[base + i] = value
     values = _summed(stats, health)
     clock.gathered, clock.gathered_tokens = values[1 : 1 + world], values[1 + world : 1 + 2 * world]
     clock.leavers = {r: int(code) for r, code in enumerate(values[1 + 2 * world : 1 + 3 * world]) if code > 0}
-    clock.proposed = int(values[-1])
-    return int(values[0])
+    clock.proposed = int(values[base - 1])
+    return int(values[0]), values[base:]
 
 
 def backward(

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from train.config import ConfigError, DataConfig
+from train.data import pairs
 from train.data.records import Record, check_record, held_out_records, messages, training_data
 
 IGNORE = -100
@@ -109,6 +110,8 @@ def prompt_text(row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> str:
     """What the model is shown to answer a record's (last) question: everything before the answer."""
     if cfg.format == "text":  # a note has no question: the model goes on from its first line
         return str(row["text"]).split("\n", 1)[0] + "\n"
+    if cfg.format in pairs.PAIR_FORMATS:  # a pair's prompt, as train/data/pairblocks.py renders it
+        return pair_prompt(pairs.prompt_of(Record("(a record)", row), cfg.format), cfg, tokenizer)
     turns = messages(row, cfg.format)
     last = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
     if uses_chat_template(cfg, tokenizer):
@@ -116,6 +119,13 @@ def prompt_text(row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> str:
     if cfg.format == "instruction":
         return _alpaca_prompt(row)
     return _plain_prompt(turns[:last])
+
+
+def pair_prompt(turns: list[dict[str, str]], cfg: DataConfig, tokenizer: Any) -> str:
+    """A preference item's prompt as text: the chat template's, the assistant's turn opened, or the plain turns."""
+    if uses_chat_template(cfg, tokenizer):
+        return str(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False))
+    return _plain_prompt(turns)
 
 
 def _alpaca_prompt(row: dict[str, Any]) -> str:
@@ -262,4 +272,7 @@ def prepare_eval(source: str, cfg: DataConfig, tokenizer: Any, base_dir: Path) -
     as many as a text document fills, so that its held-out loss counts every token."""
     records = held_out_records(source, cfg, base_dir)
     unpacked = cfg.model_copy(update={"packing": False})
-    return records, build_blocks(tokenize(records, cfg, tokenizer), unpacked, pad_id(tokenizer))
+    if cfg.format in pairs.PAIR_FORMATS:  # preference data: the loss on its chosen (desirable) answers, as chat
+        records = pairs.chosen_conversations(records, cfg.format)
+        unpacked = unpacked.model_copy(update={"format": "chat", "columns": {}, "roles": {}})
+    return records, build_blocks(tokenize(records, unpacked, tokenizer), unpacked, pad_id(tokenizer))

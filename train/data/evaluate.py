@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from train.balance.step import label_tokens, summed_loss
 from train.config import JobConfig
+from train.data import pairs
 from train.data.blocks import Blocks, prepare_eval, prompt_text
+from train.data.pairblocks import PairBlocks
 from train.data.records import Record, is_chat, messages
 from train.dist import comm
 from train.dist.distributed import RankInfo
@@ -28,7 +30,7 @@ from train.dist.health import GroupHealth
 @dataclass
 class HeldOut:
     records: list[Record]
-    blocks: Blocks
+    blocks: Blocks | PairBlocks  # PairBlocks: a preference method's held-out pairs (train/preference/evaluate.py)
 
 
 def load(job: JobConfig, tokenizer: Any, code_dir: Path) -> HeldOut | None:
@@ -94,8 +96,11 @@ def answers(model: Any, tokenizer: Any, job: JobConfig, records: list[Record], d
 
 def question(record: Record) -> str:
     """What the sample shows as asked: the last user turn, the instruction, or a note's first line (the model
-    goes on from it, train/data/blocks.py prompt_text)."""
+    goes on from it, train/data/blocks.py prompt_text); a preference pair's or unpaired example's last user turn."""
     row = record.fields
+    asked = pairs.question(record)
+    if asked is not None:
+        return asked
     if is_chat(row):
         return str([t["content"] for t in messages(row, "chat") if t["role"] == "user"][-1])
     if "instruction" not in row:
@@ -104,8 +109,12 @@ def question(record: Record) -> str:
 
 
 def reference(record: Record) -> str:
-    """The answer the data holds: the last assistant turn, the output, or the rest of the note."""
+    """The answer the data holds: the last assistant turn, the output, or the rest of the note; a pair's chosen
+    answer, an unpaired example's completion where it is desirable (else "")."""
     row = record.fields
+    answer = pairs.reference(record)
+    if answer is not None:
+        return answer
     if is_chat(row):
         return str([t["content"] for t in messages(row, "chat") if t["role"] == "assistant"][-1])
     if "instruction" not in row:

@@ -77,6 +77,7 @@ def _load_with_datasets(source: str, local: Path, split: str, key: str) -> list[
     return [Record(f"{where} row {i + 1}", dict(row)) for i, row in enumerate(ds)]
 
 
+# What each format needs, for its errors (the preference formats': train/data/pairs.py NEEDS).
 _NEEDS = {
     "instruction": "'instruction' and 'output' strings (and optionally 'input')",
     "chat": "'messages': a list of {role, content} (or ShareGPT's 'conversations': a list of {from, value}) with at "
@@ -87,6 +88,11 @@ _NEEDS = {
 
 def check_record(record: Record, fmt: str) -> None:
     """Raise a ConfigError naming the record's file and line when it does not fit ``fmt``."""
+    if fmt in ("preference", "unpaired"):
+        from train.data import pairs  # it reads this module's ROLES: imported here, not at the top
+
+        pairs.check(record, fmt)
+        return
     row = record.fields
 
     def bad(what: str) -> ConfigError:
@@ -127,7 +133,7 @@ def map_record(record: Record, fmt: str, columns: Mapping[str, str], roles: Mapp
     for name, theirs in outer.items():
         if theirs in fields:
             fields[name] = fields.pop(theirs)
-        elif name != "input":
+        elif name not in _OPTIONAL:
             raise ConfigError(f"{record.where}: no '{theirs}' (data.columns maps it to '{name}'); the record has "
                               f"{', '.join(repr(k) for k in record.fields) or 'no field'}")  # fmt: skip
     if fmt == "chat" and ("role" in columns or "content" in columns or roles):
@@ -143,7 +149,33 @@ def map_record(record: Record, fmt: str, columns: Mapping[str, str], roles: Mapp
             ]  # fmt: skip
             if key == "conversations":  # now in OpenAI's keys
                 fields["messages"] = fields.pop("conversations")
+    elif fmt in _TURN_FIELDS and ("role" in columns or "content" in columns or roles):
+        speakers = {name.strip().lower(): value for name, value in roles.items()}
+        for key in _TURN_FIELDS[fmt]:
+            value = fields.get(key)
+            if isinstance(value, dict):  # ShareGPT's one {from, value} answer
+                fields[key] = _mapped_turn(value, columns, speakers)
+            elif isinstance(value, list):
+                fields[key] = [_mapped_turn(t, columns, speakers) if isinstance(t, dict) else t for t in value]
     return Record(record.where, fields)
+
+
+# The fields of a record that data.columns may name and the record may lack.
+_OPTIONAL = ("input", "system")
+# Where the preference formats keep messages (train/data/pairs.py), whose speakers data.roles names.
+_TURN_FIELDS = {
+    "preference": ("prompt", "chosen", "rejected", "conversations"),
+    "unpaired": ("prompt", "completion", "messages", "conversations"),
+}
+
+
+def _mapped_turn(turn: dict[str, Any], columns: Mapping[str, str], speakers: Mapping[str, str]) -> dict[str, Any]:
+    """A message in OpenAI's keys, its speaker named by its role: its role and content read from the keys
+    data.columns names (else role and content, or ShareGPT's from and value)."""
+    sharegpt = "role" not in turn and "content" not in turn
+    role = turn.get(columns.get("role", "from" if sharegpt else "role"))
+    content = turn.get(columns.get("content", "value" if sharegpt else "content"))
+    return {"role": speakers.get(role.strip().lower(), role) if isinstance(role, str) else role, "content": content}
 
 
 def load_set(data_set: DataSet, cfg: DataConfig, base_dir: Path, key: str) -> list[Record]:

@@ -36,6 +36,9 @@ from train.dist.health import GroupHealth
 from train.layout import pipeline, stagemodel
 from train.layout.topology import Layout, data_parallel
 from train.model.load import DTYPES, load_model
+from train.preference import evaluate as pair_eval
+from train.preference.objective import Objective
+from train.preference.step import PreferenceStep
 from train.recovery import checkpoint
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,7 @@ class DataParallel(_Engine):
         self.model, self.tokenizer, self.backend = load_model(job, code_dir, info.device)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.batch_rank = info.rank  # the sampler's index of this rank's share
+        self.preference = preference_step(job, self.model)  # train.method dpo, orpo, kto; None for sft
         self.ddp: torch.nn.Module = self.model
         self.synchronized = False  # checked at the first step of each group (distributed.check_gradients_agree)
 
@@ -88,7 +92,11 @@ class DataParallel(_Engine):
         self.ddp.train()
 
     def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
-        result = backward(self.ddp, micro_batches, self.info.device, self.balancer.clock, self.health)
+        if self.preference is not None:
+            result = self.preference.backward(self.ddp, micro_batches, self.info.device, self.balancer.clock,
+                                              self.health)  # fmt: skip
+        else:
+            result = backward(self.ddp, micro_batches, self.info.device, self.balancer.clock, self.health)
         if not self.synchronized:  # the first step of this group: did DDP all-reduce the gradients?
             distributed.check_gradients_agree(self.trainable, self.info, self.backend, self.health)
             self.synchronized = True
@@ -99,6 +107,12 @@ class DataParallel(_Engine):
 
     def held_out_loss(self, held_out: HeldOut, batch_size: int) -> tuple[float, int]:
         return evaluate.loss(self.model, held_out, self.info, batch_size, self.health)
+
+    def held_out_preference(self, held_out: HeldOut, batch_size: int, adapter: bool) -> dict[str, float | None]:
+        """The held-out pairs' figures (train/preference/evaluate.py), of the base model or the fine-tuned one."""
+        assert self.preference is not None
+        return pair_eval.figures(self.model, held_out, self.info, batch_size, self.preference.objective, adapter,
+                                 self.health)  # fmt: skip
 
     def restore(self, run_dir: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> checkpoint.Restored | None:
         return checkpoint.restore(run_dir, self.model, optimizer, scheduler, self.info.rank, self.info.main_rank)
@@ -121,6 +135,17 @@ class DataParallel(_Engine):
         with evaluate.base_model(self.model):
             before = evaluate.answers(self.model, self.tokenizer, self.job, records, self.info.device)
         return before, evaluate.answers(self.model, self.tokenizer, self.job, records, self.info.device)
+
+
+def preference_step(job: JobConfig, model: torch.nn.Module) -> PreferenceStep | None:
+    """A preference method's step (with dropout off where the job says so, as TRL's disable_dropout), or None."""
+    if job.train.method == "sft":
+        return None
+    if job.preference.disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    return PreferenceStep(Objective.from_job(job))
 
 
 class Pipelined(_Engine):

@@ -57,7 +57,8 @@ def sized(job: JobConfig, layout: topology.Layout, rank: int) -> JobConfig:
     micro = layout.stage(rank).micro
     if not 0 < micro < job.micro_batch_cap:
         return job
-    return job.model_copy(update={"rank_local": job.rank_local.model_copy(update={"micro_batch_size": micro})})
+    rows = micro * job.rows_per_item  # the planner counts items; rank_local.micro_batch_size counts rows
+    return job.model_copy(update={"rank_local": job.rank_local.model_copy(update={"micro_batch_size": rows})})
 
 
 def decide(job: JobConfig, info: RankInfo, code_dir: Path) -> topology.Layout:
@@ -78,6 +79,14 @@ def decide(job: JobConfig, info: RankInfo, code_dir: Path) -> topology.Layout:
             return topology.data_parallel(1, hosts, "the model's config.json is not local: data parallel")
         raise ConfigError(f"key 'parallel': {exc}") from None
     try:
-        return stageplan.plan(job, shape, members)
+        layout = stageplan.plan(job, shape, members)
     except stageplan.PlanError as exc:
         raise ConfigError(str(exc)) from None
+    if layout.pipelined and job.train.method != "sft":
+        raise ConfigError(
+            f"train.method '{job.train.method}': the model does not fit every rank whole ({layout.reason}), and "
+            "pipeline stages do not run a preference method (its loss needs both answers' log-probabilities of a "
+            "pair, with the adapter on and off, on one rank). Lower rank_local.micro_batch_size, use "
+            "model.quantization: 4bit, or leave out the hosts too small for the whole model"
+        )
+    return layout

@@ -261,7 +261,8 @@ def estimate(
     lora_params = layers * sum(r * (a + b) for name, (a, b) in shape.linears().items() if name in targets)
     if last and "lm_head" in targets:
         lora_params += r * (h + shape.vocab)
-    tokens = (micro if micro is not None else job.micro_batch_cap) * job.data.seq_len
+    # A micro-batch of items: sequences, or pairs of two rows each with a preference method.
+    tokens = (micro if micro is not None else job.micro_batch_cap) * job.rows_per_item * job.data.seq_len
     full = _activation_elements(shape, job, device_kind, job.data.seq_len)
     if not job.rank_local.gradient_checkpointing:
         per_token = in_flight * layers * full

@@ -96,7 +96,7 @@ def head_inputs(head_module: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
 
 
 @dataclass(frozen=True)
-class _Lora:
+class LoraTerm:
     """The one active LoRA adapter on the head: its output is ``up(low)``, ``low = scaling * A(dropout(h))``."""
 
     down: torch.nn.Linear
@@ -105,7 +105,7 @@ class _Lora:
     scaling: float
 
 
-def _linear_parts(head_module: torch.nn.Module) -> tuple[torch.nn.Linear, _Lora | None] | None:
+def linear_parts(head_module: torch.nn.Module) -> tuple[torch.nn.Linear, LoraTerm | None] | None:
     """The head as a base Linear plus at most one plain LoRA term, as peft's forward would compute it now; None
     where its state is another one (merged, several adapters, a LoRA variant such as DoRA, a LoRA bias)."""
     if type(head_module) is torch.nn.Linear:
@@ -122,7 +122,7 @@ def _linear_parts(head_module: torch.nn.Module) -> tuple[torch.nn.Linear, _Lora 
     name = active[0]
     if len(active) > 1 or name in getattr(lora, "lora_variant", {}) or lora.lora_B[name].bias is not None:
         return None
-    return base, _Lora(lora.lora_A[name], lora.lora_B[name], lora.lora_dropout[name], float(lora.scaling[name]))
+    return base, LoraTerm(lora.lora_A[name], lora.lora_B[name], lora.lora_dropout[name], float(lora.scaling[name]))
 
 
 def summed_loss(head_module: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -131,7 +131,7 @@ def summed_loss(head_module: torch.nn.Module, hidden: torch.Tensor, labels: torc
     targets = labels[:, 1:]
     keep = targets != IGNORE
     rows, wanted = hidden[:, :-1][keep], targets[keep]  # only the positions that have a label
-    parts = _linear_parts(head_module)
+    parts = linear_parts(head_module)
     if parts is None:  # a head state this module does not model: its own forward, on the label positions only
         return F.cross_entropy(head_module(rows).float(), wanted, reduction="sum")
     base, lora = parts

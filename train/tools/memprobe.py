@@ -41,8 +41,10 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def probe(job_file: Path, profile: Path | None, host: str, steps: int, code_dir: Path) -> dict[str, Any]:
-    from train.balance.step import backward
+    from train.balance.step import StepClock, backward
     from train.data.blocks import prepare
+    from train.data.pairblocks import prepare_pairs
+    from train.layout.engine import preference_step
     from train.model.load import load_model
 
     job = load_job(job_file)
@@ -68,14 +70,20 @@ def probe(job_file: Path, profile: Path | None, host: str, steps: int, code_dir:
         torch.manual_seed(job.train.seed)
         model, tokenizer, backend = load_model(job, code_dir, device)
         result["backend"] = backend
-        blocks = prepare(job.data, tokenizer, code_dir, job.train.seed)
+        preference = preference_step(job, model)  # a preference method's pairs: its own step (two rows a pair)
+        blocks = prepare(job.data, tokenizer, code_dir, job.train.seed) if preference is None else \
+            prepare_pairs(job, tokenizer, code_dir)  # fmt: skip
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=job.optim.lr)
         model.train()
         for step in range(steps):
-            rows = [blocks[(step * micro + i) % len(blocks)] for i in range(micro)]
-            batch = {k: torch.stack([r[k] for r in rows]).to(device) for k in rows[0]}
-            backward(model, [batch], device)
+            picked = [(step * micro + i) % len(blocks) for i in range(micro)]
+            if preference is not None:
+                preference.backward(model, [blocks.batch(picked, device)], device, StepClock(), None)
+            else:
+                rows = [blocks[i] for i in picked]
+                batch = {k: torch.stack([r[k] for r in rows]).to(device) for k in rows[0]}
+                backward(model, [batch], device)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             result["steps"] = step + 1

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from train.config import ConfigError, JobConfig
-from train.data import templates
+from train.data import pairs, templates
 from train.data.records import Record, held_out_records, messages, training_data
 from ugro.model import basemodel
 
@@ -30,15 +30,17 @@ SHORT_NOTE_WORDS = 8
 
 
 def _questions(records: list[Record], fmt: str) -> dict[str, str]:
-    """Every record's prompt side (all turns but the answers; a whole note) -> where it is."""
+    """Every record's prompt side (all turns but the answers; a preference item's prompt; a whole note) -> where
+    it is."""
     found: dict[str, str] = {}
     for record in records:
         if fmt == "text":
             key = str(record.fields["text"])
             if len(key.split()) < SHORT_NOTE_WORDS:
                 continue
-        else:
-            key = "\n".join(t["content"] for t in messages(record.fields, fmt) if t["role"] != "assistant")
+        else:  # a pair's or an unpaired example's prompt, as an SFT record's
+            turns = pairs.prompt_of(record, fmt) if fmt in pairs.PAIR_FORMATS else messages(record.fields, fmt)
+            key = "\n".join(t["content"] for t in turns if t["role"] != "assistant")
         found.setdefault(key, record.where)
     return found
 
@@ -51,10 +53,11 @@ def check_data(job: JobConfig, repo: Path) -> DataSummary:
         return DataSummary(len(train), 0)
     held_out = held_out_records(job.eval.source, job.data, repo, check=True)
     trained = _questions(train, job.data.format)
+    asked = "prompt" if job.data.format in pairs.PAIR_FORMATS else "question"
     for question, where in _questions(held_out, job.data.format).items():
         if question in trained:
             raise ConfigError(
-                f"{where}: this held-out question is also trained on ({trained[question]}), so the evaluation "
+                f"{where}: this held-out {asked} is also trained on ({trained[question]}), so the evaluation "
                 "would measure memory, not learning; remove it from one of the two files"
             )
     return DataSummary(len(train), len(held_out))

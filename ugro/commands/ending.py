@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.markup import escape
@@ -65,12 +66,31 @@ def _losses(run_dir: Path) -> None:
     evals = read_eval(run_dir)
     base = next((r for r in evals if r.get("model") == "base"), None)
     tuned = evals[-1] if evals and evals[-1].get("model") != "base" else None
-    if base and tuned:
+    if base and tuned and "logp_margin" in tuned:
+        _preference(base, tuned)
+    elif base and tuned:
         change = (tuned["eval_loss"] - base["eval_loss"]) / base["eval_loss"]
         console.print(
             f"held-out loss {base['eval_loss']:.4f} (base model) -> {tuned['eval_loss']:.4f} "
             f"(fine-tuned, step {tuned['step']}): [bold]{change:+.1%}[/]"
         )
+
+
+def _preference(base: dict[str, Any], tuned: dict[str, Any]) -> None:
+    """A preference run's held-out pairs, base model against fine-tuned (train/preference/evaluate.py)."""
+    step = f"(fine-tuned, step {tuned['step']})"
+    if base.get("preference_accuracy") is not None and tuned.get("preference_accuracy") is not None:
+        console.print(f"held-out preference accuracy {base['preference_accuracy']:.0%} (base model) -> "
+                      f"[bold]{tuned['preference_accuracy']:.0%}[/] {step}: how often the chosen answer is the "
+                      "more likely one")  # fmt: skip
+    console.print(f"held-out log-prob margin {base['logp_margin']:+.3f} (base model) -> "
+                  f"[bold]{tuned['logp_margin']:+.3f}[/] {step}: chosen minus rejected answer")  # fmt: skip
+    accuracy = tuned.get("rewards_accuracy")
+    console.print(
+        f"held-out loss {base['eval_loss']:.4f} (base model) -> {tuned['eval_loss']:.4f} {step}; rewards "
+        f"chosen {tuned['rewards_chosen']:+.3f}, rejected {tuned['rewards_rejected']:+.3f}, margin "
+        f"{tuned['rewards_margin']:+.3f}" + (f", accuracy {accuracy:.0%}" if accuracy is not None else "")
+    )
 
 
 def summary(run_dir: Path) -> None:

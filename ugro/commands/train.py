@@ -10,6 +10,7 @@ import typer
 from train.config import JobConfig
 from train.metrics import write_status
 from ugro.checks import prelaunch, ranks
+from ugro.checks.datafacts import PairFacts
 from ugro.commands import ending
 from ugro.commands.common import (
     DEFAULT_INVENTORY,
@@ -41,6 +42,9 @@ def _length(job: JobConfig) -> str:
     found = tokenized(job)
     if found is None:
         return f"{job.train.epochs:g} epochs"
+    if isinstance(found.facts, PairFacts):  # epochs of pairs (kto: examples), each two rows
+        what = "examples" if job.train.method == "kto" else "pairs"
+        return f"{found.facts.steps} steps ({job.train.epochs:g} epochs of {found.facts.items} {what})"
     return f"{found.facts.steps} steps ({job.train.epochs:g} epochs of {found.facts.rows} rows)"
 
 

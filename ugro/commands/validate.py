@@ -31,11 +31,17 @@ def validate(
         Path | None, typer.Option("--inventory", "-i", help="also run make train's fast checks on its hosts")
     ] = None,
     setting: SetOpt = None,
-    show: Annotated[int, typer.Option(min=0, help="print this many training rows, the trained tokens marked")] = 0,
+    show: Annotated[
+        int,
+        typer.Option(
+            min=0, help="print this many training rows (preference: pairs, kto: examples), the trained tokens marked"
+        ),
+    ] = 0,
 ) -> None:
     """Check a job file, print its cluster-wide hash, its data as the ranks will pack it (records, tokens, rows,
-    padding, steps an epoch) and which backend it runs where; with an inventory, also what make train checks on
-    its hosts first (the fast preflight, and the global batch against the ranks)."""
+    padding, steps an epoch; a preference job's pairs and the answers data.seq_len cuts) and which backend it runs
+    where; with an inventory, also what make train checks on its hosts first (the fast preflight, and the global
+    batch against the ranks)."""
     job_file = with_settings(job_file, setting)
     job, data = checked(job_file)
     check_targets(job)  # a base still in its wheel is converted by make train, not here: nothing downloads

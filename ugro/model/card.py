@@ -281,8 +281,9 @@ def _training_section(run: dict[str, Any], job: dict[str, Any], adapter: dict[st
          if optim else NOT_RECORDED),
         ("schedule", f"{value(warmup)} warmup steps, then cosine down to {value(floor)} of the peak lr"
          if schedule else NOT_RECORDED),
+        ("method", _method(job)),
         ("optimizer steps", value(train.get("max_steps") or run.get("total_steps"))),
-        ("global batch", f"{value(train.get('global_batch_size'))} sequences per step (all ranks together)"
+        ("global batch", f"{value(train.get('global_batch_size'))} {_items(job)} per step (all ranks together)"
          if train else NOT_RECORDED),
         ("sequence length", value(data.get("seq_len"))),
         ("data format / template / packing / trained on",
@@ -361,7 +362,47 @@ def _cluster_section(run_dir: Path, run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _method(job: dict[str, Any]) -> str:
+    """train.method, with a preference method's knobs (what the run optimized)."""
+    method = (job.get("train") or {}).get("method") or "sft"
+    if method == "sft":
+        return "`sft` (supervised fine-tuning on the answers)" if job else NOT_RECORDED
+    pref = job.get("preference") or {}
+    loss = pref.get("loss") or {"dpo": "sigmoid", "kto": "kto", "orpo": "orpo"}.get(method, "")
+    knobs = f"loss `{loss}`, beta `{pref.get('beta')}`"
+    if method in ("dpo", "kto"):
+        knobs += f", reference: the base (adapter off), `{pref.get('reference', 'live')}`"
+    return f"`{method}` (preference tuning on chosen and rejected answers: {knobs})"
+
+
+def _items(job: dict[str, Any]) -> str:
+    method = (job.get("train") or {}).get("method") or "sft"
+    return {"sft": "sequences", "kto": "examples"}.get(method, "pairs")
+
+
+def _preference_eval(run: dict[str, Any]) -> list[str]:
+    """The held-out pairs' figures, base against fine-tuned (train/preference/evaluate.py)."""
+    before, after = run.get("eval_preference_before") or {}, run.get("eval_preference_after") or {}
+    if not after:
+        return []
+
+    def cell(figures: dict[str, Any], key: str, fmt: str) -> str:
+        value = figures.get(key)
+        return format(value, fmt) if isinstance(value, int | float) else "—"
+
+    rows = [("prefers the chosen answer (share of pairs)", "preference_accuracy", ".0%"),
+            ("log-prob margin, chosen minus rejected", "logp_margin", "+.3f"),
+            ("reward margin against the base", "rewards_margin", "+.3f"),
+            ("reward accuracy", "rewards_accuracy", ".0%"),
+            ("loss of the method", "loss", ".4f")]  # fmt: skip
+    lines = ["", "Held-out preference pairs:", "", "| figure | base model | fine-tuned |", "|---|---|---|"]
+    lines += [f"| {name} | {cell(before, key, fmt)} | {cell(after, key, fmt)} |" for name, key, fmt in rows]
+    return lines
+
+
 def _eval_section(run_dir: Path, run: dict[str, Any]) -> str:
+    if run.get("eval_preference_after"):
+        return "\n".join(_preference_eval(run)[2:])
     rows = read_eval(run_dir)
     before = run.get("eval_loss_before")
     after = run.get("eval_loss_after")

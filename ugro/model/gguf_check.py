@@ -255,6 +255,7 @@ def check(
     eos = set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}
     state = merged.state_dict()
     blocks = held.blocks
+    assert isinstance(blocks, Blocks)  # held_out: rows of answers, also for a preference run's chosen ones
     # The run's own held-out loss, computed as the run computes it, on one process of the controller.
     reference_loss, _ = evaluate.loss(merged, held, RankInfo(0, 0, 1, "controller", torch.device("cpu")), 1)
     answers_hf = [greedy_hf(merged, ids, max_new, eos) for _, ids in prompts]
