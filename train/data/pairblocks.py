@@ -187,6 +187,7 @@ def prepare_pairs(job: JobConfig, tokenizer: Any, base_dir: Path) -> PairBlocks:
 
 def prepare_eval_pairs(source: str, job: JobConfig, tokenizer: Any, base_dir: Path) -> tuple[list[Record], PairBlocks]:
     """The held-out records and their items: item i is record i (dpo, orpo); kto: the examples as in training (on
-    data.format preference, records i's two are items 2i and 2i + 1), each KL row from the held-out examples."""
+    data.format preference, every record's desirable one, then every record's undesirable one), each KL row from the
+    held-out examples."""
     records = held_out_records(source, job.data, base_dir)
     return records, pair_blocks(records, job, tokenizer)

@@ -89,7 +89,7 @@ def _preference(base: dict[str, Any], tuned: dict[str, Any]) -> None:
     console.print(
         f"held-out loss {base['eval_loss']:.4f} (base model) -> {tuned['eval_loss']:.4f} {step}; rewards "
         f"chosen {tuned['rewards_chosen']:+.3f}, rejected {tuned['rewards_rejected']:+.3f}, margin "
-        f"{tuned['rewards_margin']:+.3f}" + (f", accuracy {accuracy:.0%}" if accuracy is not None else "")
+        f"{tuned['rewards_margin']:+.3f}" + (f", reward accuracy {accuracy:.0%}" if accuracy is not None else "")
     )
 
 
