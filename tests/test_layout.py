@@ -49,7 +49,7 @@ def test_every_function_of_the_rank_code_reads_in_one_screen() -> None:
 # train/ by concern (docs/architecture.md "train/"): the root holds the entry points, the loop and what the loop
 # records; everything else lives in the room of its concern.
 TRAIN_ROOT = {"__init__", "config", "worker", "launcher", "loop", "metrics", "schedule", "digest"}
-TRAIN_ROOMS = {"data", "model", "layout", "balance", "recovery", "dist", "tools"}
+TRAIN_ROOMS = {"data", "model", "layout", "balance", "recovery", "dist", "tools", "preference"}
 
 
 def _train_module(path: Path) -> str:

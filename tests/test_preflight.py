@@ -519,12 +519,15 @@ def short_job(repo_jobs: Path) -> Iterator[Path]:
     path.unlink()
 
 
-def test_clean_cluster_passes_with_allreduce_and_memory(clean_inventory: Path, short_job: Path, ugro: Run) -> None:
+def test_clean_cluster_passes_with_allreduce_and_memory(clean_inventory: Path, short_job: Path, make: Run) -> None:
+    """`make preflight JSON=1` as a user types it (the make target's one run in CI: tests/test_make_smoke.py)."""
     started = time.monotonic()
-    result = ugro("preflight", "--inventory", str(clean_inventory), "--job", str(short_job), "--json")
+    result = make("preflight", f"INVENTORY={clean_inventory}", f"JOB={short_job}", "JSON=1", timeout=600)
     print(f"preflight (fast + heavy) on 3 hosts: {time.monotonic() - started:.1f} s")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(result.stdout)
+    out = result.stdout
+    report = json.JSONDecoder().raw_decode(out, out.index("\n{") + 1)[0]  # after the command make echoes
+    assert report["ok"] is True and report["hosts"] == ["tb1", "tb2", "tb3"], out[-3000:]  # no check failed
     for check in report["checks"]:
         for host, cell in check["cells"].items():
             # The test hosts get no firewall (role firewall is molecule/firewall's): an open host is a WARN.

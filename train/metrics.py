@@ -275,6 +275,16 @@ def _per_rank(rows: list[dict[str, Any]], key: str) -> dict[int, tuple[list[int]
     return series
 
 
+def _loss_label(run_dir: Path) -> str:
+    """What the loss is: per answer token (sft), or a preference method's mean per pair (kto: per example)."""
+    path = run_dir / STATUS
+    job = (json.loads(path.read_text()).get("job") or {}) if path.is_file() else {}
+    method = (job.get("train") or {}).get("method") or "sft"
+    if method == "sft":
+        return "loss (mean per answer token)"
+    return f"{method.upper()} loss (mean per {'example' if method == 'kto' else 'pair'})"
+
+
 def plot_loss(run_dir: Path) -> Path | None:
     """The end-of-run picture, loss.png: training and held-out loss over the steps, each rank's tokens/s, and
     each rank's share of the global batch (how the balancer split it), from metrics.jsonl."""
@@ -295,7 +305,7 @@ def plot_loss(run_dir: Path) -> Path | None:
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], marker="o", label="held-out")
     ax.legend()
-    ax.set_ylabel("loss (mean per answer token)")
+    ax.set_ylabel(_loss_label(run_dir))
     ax.set_title(run_dir.name)
     if panels == 3:
         hosts = next(((row.get("ranks") or {}).get("host") for row in reversed(rows) if row.get("ranks")), None) or []

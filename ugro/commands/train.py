@@ -10,7 +10,6 @@ import typer
 from train.config import JobConfig
 from train.metrics import write_status
 from ugro.checks import prelaunch, ranks
-from ugro.checks.datafacts import PairFacts
 from ugro.commands import ending
 from ugro.commands.common import (
     DEFAULT_INVENTORY,
@@ -42,9 +41,9 @@ def _length(job: JobConfig) -> str:
     found = tokenized(job)
     if found is None:
         return f"{job.train.epochs:g} epochs"
-    if isinstance(found.facts, PairFacts):  # epochs of pairs (kto: examples), each two rows
+    if job.train.method != "sft":  # epochs of pairs (kto: examples), each two rows (ugro/checks/datafacts.py)
         what = "examples" if job.train.method == "kto" else "pairs"
-        return f"{found.facts.steps} steps ({job.train.epochs:g} epochs of {found.facts.items} {what})"
+        return f"{found.facts.steps} steps ({job.train.epochs:g} epochs of {getattr(found.facts, 'items', '?')} {what})"
     return f"{found.facts.steps} steps ({job.train.epochs:g} epochs of {found.facts.rows} rows)"
 
 
