@@ -70,3 +70,37 @@ def test_a_pair_is_two_rows_of_a_hosts_micro_batch_and_the_defaults_are_trls(tmp
 def test_the_example_job_validates() -> None:
     job = load_job(Path(__file__).resolve().parent.parent / "jobs" / "dpo.example.yaml")
     assert job.train.method == "dpo" and job.data.format == "preference" and job.preference.reference == "cached"
+
+
+def test_the_memory_model_counts_both_rows_of_a_pair(tmp_path: Path) -> None:
+    """`make plan` and the stage planner: a micro-batch of 2 pairs holds the activations of 4 SFT sequences."""
+    from train.layout import stageplan
+
+    repo = Path(__file__).resolve().parent.parent
+    dpo = _load(tmp_path, data=PAIRS, train={"method": "dpo"}, rank_local={"micro_batch_size": 4})
+    sft = _load(tmp_path, data={"packing": False}, rank_local={"micro_batch_size": 4})
+    shape = stageplan.read_shape(dpo, repo)
+    whole = stageplan.Span(shape.layers)
+    pairs, rows = (stageplan.estimate(shape, job, whole, "cuda") for job in (dpo, sft))
+    assert dpo.micro_batch_cap == 2 and sft.micro_batch_cap == 4
+    assert pairs.activations == pytest.approx(rows.activations) and pairs.activations > 0
+
+
+def test_a_model_that_fits_no_rank_whole_is_refused_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """parallel: auto would cut the model into stages (here the planner is made to): a preference job says why not."""
+    import torch
+
+    from train.dist.distributed import RankInfo
+    from train.layout import placement, stageplan, topology
+
+    repo = Path(__file__).resolve().parent.parent
+    job = _load(tmp_path, data=PAIRS, train={"method": "dpo"})
+    layers = stageplan.read_shape(job, repo).layers
+    staged = topology.fixed(layers, ("a", "b"), [[layers // 2, layers - layers // 2]], "model needs 9.1 GiB")
+    monkeypatch.setattr(stageplan, "plan", lambda *_: staged)
+    info = RankInfo(0, 0, 1, "a", torch.device("cpu"), hosts=("a",))
+    refused = r"train.method 'dpo': the model does not fit every rank whole \(model needs 9.1 GiB\), and pipeline"
+    with pytest.raises(ConfigError, match=refused):
+        placement.decide(job, info, repo)

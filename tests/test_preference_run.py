@@ -91,3 +91,28 @@ def test_a_killed_dpo_run_resumes_to_the_same_loss_and_adapter(baseline: Path, t
     worst = max(float((mine[k] - theirs[k]).abs().max() / theirs[k].abs().max().clamp(min=1e-12)) for k in theirs)
     assert mine.keys() == theirs.keys() and worst <= 1e-5, worst
     assert torch.isfinite(torch.tensor(last["loss"]))
+
+
+@pytest.mark.parametrize(
+    ("method", "overrides"),
+    [("orpo", {}), ("kto", {"preference": {"reference": "live", "undesirable_weight": 1.33}})],
+)
+def test_orpo_and_kto_train_through_the_whole_loop(tmp_path: Path, torchrun: Run, method: str,
+                                                   overrides: dict[str, Any]) -> None:  # fmt: skip
+    """Every method through the same loop: its step, its held-out pairs (kto: the pairs' desirable and undesirable
+    examples, with their KL rows), its records."""
+    job = {**DPO, "train": {**DPO["train"], "method": method, "max_steps": 4}, "eval": {**DPO["eval"], "every": 4},
+           "checkpoint": {"every": 4}, "schedule": {"warmup_steps": 1}, **overrides}  # fmt: skip
+    run_dir = tmp_path / "run"
+    result = torchrun(write_job(tmp_path / "job.yaml", **job), run_dir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert ("kl" in rows[-1]) == (method == "kto") and ("nll_loss" in rows[-1]) == (method == "orpo"), rows[-1]
+    evals = read_eval(run_dir)
+    assert [(r["step"], r["model"]) for r in evals] == [(0, "base"), (4, "fine-tuned")]
+    assert evals[0]["tokens"] == (22 if method == "kto" else 11)  # kto: each held-out pair is two examples
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["state"] == "finished" and (run["eval_preference_after"]["preference_accuracy"] is None) == (
+        method == "kto"
+    )
