@@ -17,6 +17,7 @@ from helpers import REPO, Run, run_env, torchrun_cmd, write_job
 from safetensors.torch import load_file
 
 from train.metrics import read_eval, read_metrics
+from ugro.model.card import render_card
 
 STEPS = 12
 DPO: dict[str, Any] = {
@@ -61,6 +62,11 @@ def test_a_dpo_run_records_its_rewards_and_the_held_out_pairs_before_and_after(b
     samples = json.loads((baseline / "samples.json").read_text())
     assert len(samples) == 1 and samples[0]["reference"] and samples[0]["question"].endswith("?")
     assert (baseline / "adapter" / "adapter_model.safetensors").is_file()
+    card = render_card(baseline, REPO, artifact="merged")  # what `make export` writes beside the merged model
+    assert "| method | `dpo` (preference tuning on chosen and rejected answers: loss `sigmoid`, beta `0.1`" in card
+    assert "| global batch | `6` pairs per step" in card and "data/preference/train.jsonl" in card
+    assert f"| prefers the chosen answer (share of pairs) | {before['preference_accuracy']:.0%} |" in card
+    assert "| reward accuracy | — |" in card  # the base is its own reference: it has none
 
 
 def test_a_killed_dpo_run_resumes_to_the_same_loss_and_adapter(baseline: Path, tmp_path: Path, torchrun: Run) -> None:

@@ -66,7 +66,7 @@ def figures(model: torch.nn.Module, held_out: HeldOut, info: RankInfo, batch_siz
         sums += _summed(batch, own, reference, objective, kl_value)
     got = dict(zip(_SUMS, _reduced(sums, info, health).tolist(), strict=True))
     model.train(was_training)
-    return _figures(got, objective)
+    return _figures(got, objective, adapter)
 
 
 def _summed(batch: dict[str, torch.Tensor], own: Answers, reference: torch.Tensor, objective: Objective,
@@ -95,7 +95,8 @@ def _summed(batch: dict[str, torch.Tensor], own: Answers, reference: torch.Tenso
                         dtype=torch.float64)  # fmt: skip
 
 
-def _figures(got: dict[str, float], objective: Objective) -> dict[str, float | None]:
+def _figures(got: dict[str, float], objective: Objective, adapter: bool) -> dict[str, float | None]:
+    """The figures from the sums; the base model has no reward accuracy (it is its own reference: every reward 0)."""
     items = got["pairs"] if objective.paired else got["chosen"] + got["rejected"]
     chosen, rejected = max(got["chosen"], 1), max(got["rejected"], 1)
     loss = got["loss"] / max(items, 1) + (got["nll"] / max(got["nll_tokens"], 1) if objective.method == "orpo" else 0)
@@ -105,7 +106,7 @@ def _figures(got: dict[str, float], objective: Objective) -> dict[str, float | N
         "rewards_chosen": got["chosen_rewards"] / chosen,
         "rewards_rejected": got["rejected_rewards"] / rejected,
         "rewards_margin": got["chosen_rewards"] / chosen - got["rejected_rewards"] / rejected,
-        "rewards_accuracy": got["correct"] / max(got["pairs"], 1) if objective.paired else None,
+        "rewards_accuracy": got["correct"] / max(got["pairs"], 1) if objective.paired and adapter else None,
     }
     if objective.paired:  # the model's own preference: the chosen answer more likely than the rejected one
         out["preference_accuracy"] = got["preferred"] / max(got["pairs"], 1)

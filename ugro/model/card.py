@@ -344,7 +344,8 @@ def _cluster_section(run_dir: Path, run: dict[str, Any]) -> str:
             plan = None
     if plan is not None:
         how = PLAN_SOURCES.get(plan.source, plan.source)
-        shares = ", ".join(f"rank {r}: {_count(s, 'sequence')}" for r, s in enumerate(plan.shares))
+        unit = _items(run.get("job") or {})[:-1]  # sequence, pair or example
+        shares = ", ".join(f"rank {r}: {_count(s, unit)}" for r, s in enumerate(plan.shares))
         lines.append(f"- Each step's global batch split (the balancer's last plan, {how}): {shares}")
     ranks = _rank_files(run_dir)
     if ranks:
