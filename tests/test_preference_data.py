@@ -459,3 +459,22 @@ def test_ugro_validate_shows_a_preference_job_and_refuses_a_bad_row_first(tmp_pa
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     assert f"{path}:2: 'rejected' is missing or empty" in " ".join(refused.stderr.split())
     assert refused.stdout == ""  # the one error, before anything else
+
+
+def test_several_preference_sets_train_together_weighted_each_with_its_own_columns(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    """data.sources as for SFT: a TRL-shaped file at weight 2 and an Axolotl-shaped one (question / good / bad) at
+    weight 0.5, its columns its own."""
+    trl = _file(tmp_path, [{"prompt": f"q{i}", "chosen": f"c{i}", "rejected": f"r{i}"} for i in range(3)], "a.jsonl")
+    axolotl = _file(tmp_path, [{"question": f"Q{i}", "good": f"G{i}", "bad": f"B{i}"} for i in range(4)], "b.jsonl")
+    raw = small_job(data={"source": None, "sources": [{"source": str(trl), "weight": 2},
+                                      {"source": str(axolotl), "weight": 0.5,
+                                       "columns": {"prompt": "question", "chosen": "good", "rejected": "bad"}}],
+                          "format": "preference", "seq_len": 64}, train={"method": "dpo"})  # fmt: skip
+    job = JobConfig.model_validate(raw)
+    blocks = prepare_pairs(job, tokenizer, REPO)
+    assert len(blocks) == 3 * 2 + 2 and [s["used"] for s in blocks.sets] == [6, 2]
+    found = pairs.items(training_data(job.data, REPO, job.train.seed).records, job)
+    assert {p.chosen[0]["content"] for p in found if isinstance(p, Preference)} >= {"c0", "c1", "c2"}
+    assert sum(1 for p in found if isinstance(p, Preference) and p.chosen[0]["content"].startswith("G")) == 2
