@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import yaml
 from helpers import REPO
 
 from testbed import cluster as tb
-from testbed import sshd
+from testbed import procs, sshd
 
 VENV_BIN = REPO / ".venv" / "bin"
 # Subnets of their own, so `make test` runs beside a `make testbed-up` (10.213.7.0/24).
@@ -146,6 +147,12 @@ def test_up_takes_down_a_testbed_an_interrupted_run_left(tmp_path: Path) -> None
     for proc in old_state["processes"]:  # what being killed does: every process it started is gone
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc["pid"], signal.SIGKILL)
+    # Gone once the kernel has ended them: a SIGKILLed process can run on for a moment (on a loaded machine one was
+    # still there when `up` looked, and `up` rightly left the testbed alone).
+    deadline = time.monotonic() + 30
+    while any(procs.is_ours(proc) for proc in old_state["processes"]):
+        assert time.monotonic() < deadline, "a SIGKILLed process of the old testbed still runs after 30 s"
+        time.sleep(0.05)
     assert tb.reclaim_dead(ipaddress.IPv4Network("10.213.250.0/24")) == []  # only what overlaps the subnet asked for
     new = tb.up(tmp_path / "new", hosts=1, subnet=SCRATCH_SUBNET)
     try:
