@@ -19,9 +19,10 @@ from train.dist import comm
 from train.dist.distributed import RankInfo
 from train.dist.health import GroupHealth
 from train.preference import objective as losses
+from train.preference import step
 from train.preference.objective import Objective, Terms
 from train.preference.reference import adapter_off
-from train.preference.step import Answers, answers, rows
+from train.preference.step import Answers, answers
 
 _SUMS = ("margin", "preferred", "loss", "chosen_rewards", "rejected_rewards", "correct", "pairs", "chosen",
          "rejected", "chosen_logps", "rejected_logps", "nll", "nll_tokens")  # fmt: skip
@@ -84,12 +85,9 @@ def _summed(batch: dict[str, torch.Tensor], own: Answers, reference: torch.Tenso
         else:
             found = losses.dpo(objective, chosen, rejected, reference[:b], reference[b:], tokens[:b], tokens[b:])
         margin, preferred, pairs = float((chosen - rejected).sum()), float((chosen > rejected).sum()), b
-    nll_tokens = 0
-    if nll is not None:
-        nll_tokens = int((rows(batch, slice(0, b))["attention_mask"][:, 1:] == 1).sum()) if objective.nll_on_prompt \
-            else int(tokens[:b].sum())  # fmt: skip
+    nll_tokens = step.nll_tokens(batch, objective)  # orpo's chosen NLL tokens, counted as a step counts them
     return torch.tensor([margin, preferred, float(found.losses.sum()), float(found.chosen_rewards.sum()),
-                         float(found.rejected_rewards.sum()), found.correct, pairs, found.chosen_rewards.numel(),
+                         float(found.rejected_rewards.sum()), float(found.correct), pairs, found.chosen_rewards.numel(),
                          found.rejected_rewards.numel(), float(found.chosen_logps.sum()),
                          float(found.rejected_logps.sum()), float(nll) if nll is not None else 0.0, nll_tokens],
                         dtype=torch.float64)  # fmt: skip

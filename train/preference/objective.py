@@ -61,7 +61,7 @@ class Terms:
     rejected_rewards: torch.Tensor  # [m]
     chosen_logps: torch.Tensor
     rejected_logps: torch.Tensor
-    correct: float  # pairs whose chosen reward beats the rejected one (TRL's rewards/accuracies)
+    correct: torch.Tensor  # pairs whose chosen reward beats the rejected one (TRL's rewards/accuracies)
 
 
 def dpo(obj: Objective, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
@@ -84,7 +84,7 @@ def dpo(obj: Objective, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen
     else:
         raise ValueError(f"unknown dpo loss {obj.loss!r}")
     chosen_rewards, rejected_rewards = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
-    correct = float((chosen_rewards > rejected_rewards).sum())
+    correct = (chosen_rewards > rejected_rewards).sum()
     return Terms(losses, chosen_rewards, rejected_rewards, chosen.detach(), rejected.detach(), correct)
 
 
@@ -102,7 +102,7 @@ def orpo(obj: Objective, chosen: torch.Tensor, rejected: torch.Tensor, chosen_to
     log_odds = (mean_chosen - mean_rejected) - (_log1mexp(mean_chosen) - _log1mexp(mean_rejected))
     losses = -obj.beta * F.logsigmoid(log_odds)
     chosen_rewards, rejected_rewards = obj.beta * mean_chosen.detach(), obj.beta * mean_rejected.detach()
-    correct = float((chosen_rewards > rejected_rewards).sum())
+    correct = (chosen_rewards > rejected_rewards).sum()
     return Terms(losses, chosen_rewards, rejected_rewards, mean_chosen.detach(), mean_rejected.detach(), correct)
 
 
@@ -123,4 +123,4 @@ def kto(obj: Objective, logps: torch.Tensor, ref: torch.Tensor, desirable: torch
     losses = losses.index_put((good,), obj.desirable_weight * good_losses)
     losses = losses.index_put((bad,), obj.undesirable_weight * bad_losses)
     rewards = obj.beta * ratio.detach()
-    return Terms(losses, rewards[good], rewards[bad], logps.detach()[good], logps.detach()[bad], 0.0)
+    return Terms(losses, rewards[good], rewards[bad], logps.detach()[good], logps.detach()[bad], ratio.new_zeros(()))

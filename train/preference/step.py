@@ -136,20 +136,14 @@ def terms(model: torch.nn.Module, batch: dict[str, torch.Tensor], objective: Obj
 
 
 def summed_figures(found: Terms, nll: torch.Tensor | None, pairs: int) -> torch.Tensor:
-    """This micro-batch's share of ``FIGURES``, in fp64 on the host."""
-    values = [
-        float(found.losses.detach().sum()),
-        float(nll.detach()) if nll is not None else 0.0,
-        float(found.chosen_rewards.sum()),
-        float(found.rejected_rewards.sum()),
-        float(found.chosen_logps.sum()),
-        float(found.rejected_logps.sum()),
-        float(found.chosen_rewards.numel()),
-        float(found.rejected_rewards.numel()),
-        found.correct,
-        float(pairs),
-    ]
-    return torch.tensor(values, dtype=torch.float64)
+    """This micro-batch's share of ``FIGURES``, in fp64 on the model's device: nothing waits for the device here
+    (the step reads them once, after its last micro-batch)."""
+    zero = found.losses.new_zeros((), dtype=torch.float64)
+    sums = [found.losses.detach().sum(), zero if nll is None else nll.detach(), found.chosen_rewards.sum(),
+            found.rejected_rewards.sum(), found.chosen_logps.sum(), found.rejected_logps.sum()]  # fmt: skip
+    counts = [found.chosen_rewards.numel(), found.rejected_rewards.numel()]
+    values = [v.double() for v in sums] + [zero + c for c in counts] + [found.correct.double(), zero + pairs]
+    return torch.stack(values)
 
 
 def global_figures(summed: list[float], objective: Objective, items: int, nll_count: int) -> dict[str, float]:
@@ -200,7 +194,7 @@ def backward(
         total_tokens, (items, nll_count, kl_sum, kl_rows) = exchange_sums(own_tokens, clock, health, own)
     kl = max(kl_sum / kl_rows, 0.0) if objective.uses_kl and kl_rows else 0.0
     scale, nll_scale = world / max(items, 1), world / max(nll_count, 1)
-    summed = torch.zeros(len(FIGURES), dtype=torch.float64)
+    summed = torch.zeros(len(FIGURES), dtype=torch.float64, device=device)
     last = len(micro_batches) - 1
     for i, (batch, ready) in enumerate(zip(micro_batches, prepared, strict=True)):
         sync = i == last or not ddp
@@ -216,7 +210,7 @@ def backward(
         summed += summed_figures(found, nll, len(batch["items"]))
     clock.end()
     clock.last_tokens = own_tokens
-    result = global_figures(_summed(summed.to(device), health), objective, int(items), int(nll_count))
+    result = global_figures(_summed(summed, health), objective, int(items), int(nll_count))
     if objective.uses_kl:
         result["kl"] = kl
     if figures is not None:
