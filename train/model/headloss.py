@@ -125,6 +125,14 @@ def linear_parts(head_module: torch.nn.Module) -> tuple[torch.nn.Linear, LoraTer
     return base, LoraTerm(lora.lora_A[name], lora.lora_B[name], lora.lora_dropout[name], float(lora.scaling[name]))
 
 
+def lora_factors(rows: torch.Tensor, lora: LoraTerm | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The head's LoRA term on ``rows`` as two factors, ``low`` (rows x r, with gradients) and ``up`` (vocab x r):
+    its output is ``low @ up.T``, which the chunked loss adds to each chunk's logits; (None, None) without LoRA."""
+    if lora is None:
+        return None, None
+    return lora.down(lora.dropout(rows.to(lora.down.weight.dtype))) * lora.scaling, lora.up.weight
+
+
 def summed_loss(head_module: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropy: the hidden state at position t (batch x seq x hidden, what the head reads)
     predicts ``labels[:, t + 1]`` (IGNORE where there is no label); an fp32 scalar, summed in fp64."""
@@ -135,10 +143,7 @@ def summed_loss(head_module: torch.nn.Module, hidden: torch.Tensor, labels: torc
     if parts is None:  # a head state this module does not model: its own forward, on the label positions only
         return F.cross_entropy(head_module(rows).float(), wanted, reduction="sum")
     base, lora = parts
-    low = up = None
-    if lora is not None:
-        low = lora.down(lora.dropout(rows.to(lora.down.weight.dtype))) * lora.scaling
-        up = lora.up.weight
+    low, up = lora_factors(rows, lora)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, base.weight, low, up))
     loss: torch.Tensor = _ChunkedLoss.apply(rows, base.weight, wanted, low, up, grads)
     return loss

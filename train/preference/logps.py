@@ -57,10 +57,7 @@ def hidden_logps(head_module: torch.nn.Module, hidden: torch.Tensor, targets: to
         logits = head_module(rows).float()
         return logits.gather(1, labels[:, None]).squeeze(1) - logits.logsumexp(dim=1)
     base, lora = parts
-    low = up = None
-    if lora is not None:
-        low = lora.down(lora.dropout(rows.to(lora.down.weight.dtype))) * lora.scaling
-        up = lora.up.weight
+    low, up = headloss.lora_factors(rows, lora)
     logps: torch.Tensor = _ChunkedLogps.apply(rows, base.weight, labels, low, up)
     return logps
 
