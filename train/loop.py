@@ -278,8 +278,7 @@ class Rank:
         RankStatus(info.host, info.rank, done, total, loss, figures, self.part, self.device,
                    progress.regrouped).write(self.run_dir)  # fmt: skip
         epoch = self.sampler.epoch_of(done)
-        pairs = self.trainer.preference.figures if isinstance(self.trainer, engine.DataParallel) and \
-            self.trainer.preference is not None else None  # fmt: skip
+        pairs = self.trainer.preference.figures if self.trainer.preference is not None else None
         if self.shadow is not None:
             self.shadow.log(done, loss, tokens, lr, grad_norm, epoch, figures, pairs)
         if self.writer is None:

@@ -51,6 +51,9 @@ class _Engine:
     balancer: Balancer
     layout: Layout
     in_place: bool = True  # whether the survivors of a lost host go on in their processes (``regroup``)
+    preference: PreferenceStep | None = (
+        None  # a preference method's step (data parallel only: placement refuses stages)
+    )
 
     def rank_shares(self) -> tuple[int, ...]:
         return self.balancer.rank_shares()
