@@ -15,7 +15,7 @@ JOB_ID    ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: role-docs export chat train preflight doctor status logs stop release lend follow validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-launch bench-rank-start bench-4bit bench-headloss bench-pipeline bench-pipeline-cluster
+.PHONY: role-docs export chat train preflight doctor status logs stop release lend follow validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-launch bench-rank-start bench-4bit bench-headloss bench-pipeline bench-pipeline-cluster mlflow-venv mlflow-server eval
 
 help:
 	@echo "make train [JOB=jobs/default.yaml] [INVENTORY=inventory/local.yml] [RESUME=auto] [SET=\"optim.lr=1e-4 train.max_steps=200\"]"
@@ -40,6 +40,8 @@ help:
 	@echo "make testbed-up N=3 [SUBNET=auto] [TESTBED_DIR=.testbed] / make testbed-down   a test cluster of N hosts on this machine (root)"
 	@echo "make provision [INVENTORY=...] [ANSIBLE_ARGS=...]   provision the hosts: driver, CUDA, Python env, network, firewall, exporter"
 	@echo "make export [JOB_ID=...] [FORMAT=gguf]   the run's model merged into its base (runs/<job-id>/merged), or as GGUF + Ollama Modelfile (runs/<job-id>/gguf)"
+	@echo "make eval [JOB_ID=...] [TASKS=heldout,...]   lm-evaluation-harness on the base and the run's model, side by side (runs/<job-id>/eval)"
+	@echo "make mlflow-server [PORT=5000]   an MLflow tracking server on this machine for report_to: [mlflow] (runs/mlflow)"
 	@echo "make chat [JOB_ID=...]     talk to a run's model in the terminal (/base, /tuned, /reset, /quit)"
 	@echo "make dashboard [INVENTORY=...]   live view of every node's exporter (GPUs, job, loss, per-rank balance); q quits"
 	@echo "make prometheus-config [INVENTORY=...] [OUT=...]   runs/monitoring/prometheus.yml: a Prometheus scrape config of every exporter"
@@ -79,6 +81,24 @@ $(VENV)/.installed: $(wildcard $(LOCKS)) requirements/locks/uv.txt pyproject.tom
 	touch $@
 
 venv: $(VENV)/.installed
+
+# An MLflow tracking server in a venv of its own (requirements/locks/py3.X/mlflow-server.txt: its pyarrow could not sit
+# beside the node lock's); the controller is only its client. `make mlflow-server` serves runs/mlflow on this machine's
+# loopback (PORT=5000; MLFLOW_HOST=0.0.0.0 for the LAN), the tracker tests start their own from the same venv.
+MLFLOW_VENV := .venv-mlflow
+PORT        ?= 5000
+MLFLOW_HOST ?= 127.0.0.1
+$(MLFLOW_VENV)/.installed: $(LOCKDIR)/mlflow-server.txt | $(VENV)/.installed
+	$(PYTHON) -m venv $(MLFLOW_VENV)
+	$(VENV)/bin/uv pip sync --no-config --require-hashes --compile-bytecode --python $(MLFLOW_VENV)/bin/python $<
+	touch $@
+
+mlflow-venv: $(MLFLOW_VENV)/.installed
+
+mlflow-server: mlflow-venv
+	mkdir -p runs/mlflow
+	$(MLFLOW_VENV)/bin/mlflow server --host $(MLFLOW_HOST) --port $(PORT) \
+		--backend-store-uri sqlite:///runs/mlflow/mlflow.db --artifacts-destination runs/mlflow/artifacts
 
 # SET="optim.lr=1e-4 train.max_steps=200": keys of the job laid over the job file (ugro/run/settings.py).
 SET_ARGS = $(foreach setting,$(SET),--set '$(setting)')
@@ -163,7 +183,7 @@ typecheck: venv
 # ranks and Molecule's Ansible both want the CPU, and together they took longer (docs/results.md). Each phase prints
 # its duration as it ends (tools/timed); a failing check's output comes whole (--output-sync).
 TIMED := tools/timed
-test: venv
+test: venv mlflow-venv
 	$(TIMED) "make test: lint and types" $(MAKE) --no-print-directory -j2 --output-sync=target lint typecheck
 	$(TIMED) "make test: pytest and Molecule" tools/pytest-pair --then-molecule $(PY) $(PYTEST_ARGS)
 

@@ -4,6 +4,8 @@
     requirements/locks/py3.X/gpu.txt         a host with an NVIDIA GPU adds these to node.txt (unsloth)
     requirements/locks/py3.X/controller.txt  the controller's .venv adds these to node.txt (`make venv`:
                                              Ansible, the CLI, the lint and test tools)
+    requirements/locks/py3.X/mlflow-server.txt  an MLflow tracking server of its own (`make mlflow-server`, the
+                                             tracker tests): never installed beside the others
     requirements/locks/uv.txt                the pinned uv alone (`make venv` bootstraps with it)
 
 One directory per CPython minor that a supported node OS ships (Debian 12: 3.11, Ubuntu 24.04: 3.12,
@@ -16,7 +18,9 @@ Every set is resolved from the registry alone by the uv that node.in pins, with 
 machine's pip configuration, its local wheels and constraints, cannot leak in), as a host of that
 platform and Python would. The same package gets the same version everywhere it can: the oldest
 Python's sets are resolved first and constrain every other Python's. node.txt is a subset of
-node + gpu and of node + controller, same versions, which `check` asserts.
+node + gpu and of node + controller, same versions, which `check` asserts. A lock keeps the versions it
+pins wherever they still resolve (uv's preferences, as pip-compile does): a new requirement adds its packages and
+moves no other; `make lock UPGRADE=1` resolves everything anew.
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ from ugro.stack.lockfile import LOCKS, PYTHONS, REQUIREMENTS, Pin, canonical, pa
 
 PLATFORM = "x86_64-manylinux_2_28"
 # What each role resolves: node alone, and node with each role's additions.
-INPUTS = {"node": ("node",), "gpu": ("node", "gpu"), "controller": ("node", "controller", "dev")}
+INPUTS = {
+    "node": ("node",),
+    "gpu": ("node", "gpu"),
+    "controller": ("node", "controller", "dev"),
+    "mlflow-server": ("mlflow-server",),
+}
 # Packages a role's requirement pulls in that the lock leaves out, with why. The hosts' completeness
 # check (`uv pip check`) tolerates exactly these missing.
 OMITTED = {
@@ -44,12 +53,23 @@ OMITTED = {
         "which torch's CUDA 13 stack lacks: it cannot load, and unsloth runs without it",
     }
 }
+# Packages a role's requirement names that the lock resolves without (uv's --excludes), with why: each is on the
+# registry only as a source distribution, which the locks' rule (binary wheels only) refuses, and none is imported by
+# what ugro uses of the package that names it. The completeness check tolerates exactly these missing.
+EXCLUDED = {
+    "controller": {
+        "sqlitedict": "lm-eval's cache of model answers (use_cache), which make eval does not use",
+        "rouge-score": "lm-eval's ROUGE metric, imported only by tasks that score with it",
+        "word2number": "lm-eval's number parsing, imported only by the math tasks that use it",
+    }
+}
 # Never part of node.txt: the nodes run the trainer, not the controller's or the tests' tools.
 NOT_ON_NODES = re.compile(r"^(ansible.*|molecule.*|pytest.*|ruff|mypy.*|black|yamllint|types-.*)$")
 DESCRIPTION = {
     "node": "every node installs exactly these (role python_env).",
     "gpu": "a host with an NVIDIA GPU installs these on top of node.txt (role python_env).",
     "controller": "the controller's .venv installs these on top of node.txt (make venv).",
+    "mlflow-server": "an MLflow tracking server's own venv (make mlflow-server), never beside the others.",
 }
 
 
@@ -66,22 +86,36 @@ def uv() -> str:
     return found
 
 
-def compile_set(inputs: Iterable[Path], python: str, constraints: dict[str, Pin] | None = None) -> dict[str, Pin]:
-    """Resolve requirement files from the registry alone, as a Linux x86-64 host of CPython `python` would."""
+def compile_set(
+    inputs: Iterable[Path],
+    python: str,
+    constraints: dict[str, Pin] | None = None,
+    excludes: Iterable[str] = (),
+    preferences: dict[str, Pin] | None = None,
+) -> dict[str, Pin]:
+    """Resolve requirement files from the registry alone, as a Linux x86-64 host of CPython `python` would, without
+    the packages `excludes` names and keeping the versions `preferences` pins wherever they resolve."""
     with tempfile.TemporaryDirectory(prefix="ugro-lock-") as tmp:
+        out = Path(tmp) / "resolved.txt"  # uv prefers what an existing output file pins
+        out.write_text("".join(pin.text + "\n" for pin in (preferences or {}).values()))
         cmd = [uv(), "pip", "compile", "--no-config", "--python-platform", PLATFORM, "--python-version", python,
                "--only-binary", ":all:", "--generate-hashes", "--no-header", "--no-annotate", "--quiet",
-               *map(str, inputs)]  # fmt: skip
+               "--output-file", str(out), *map(str, inputs)]  # fmt: skip
         if constraints:
             path = Path(tmp) / "constraints.txt"
             path.write_text("".join(f"{pin.name}=={pin.version}\n" for pin in constraints.values()))
             cmd += ["--constraints", str(path)]
+        excluded = sorted(excludes)
+        if excluded:
+            path = Path(tmp) / "excludes.txt"
+            path.write_text("".join(f"{name}\n" for name in excluded))
+            cmd += ["--excludes", str(path)]
         # Nor any UV_* / PIP_* setting of this machine's environment (an index, find-links, constraints).
         env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "PIP_"))}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
-    if proc.returncode != 0:
-        raise LockError(f"{' '.join(cmd)}\n{proc.stderr.strip()}")
-    return parse(proc.stdout)
+        if proc.returncode != 0:
+            raise LockError(f"{' '.join(cmd)}\n{proc.stderr.strip()}")
+        return parse(out.read_text())
 
 
 def render(role: str, python: str, pins: dict[str, Pin]) -> str:
@@ -92,6 +126,8 @@ def render(role: str, python: str, pins: dict[str, Pin]) -> str:
     ]
     for name, why in OMITTED.get(role, {}).items():
         lines.append(f"# ugro-omits: {name} ({why})")
+    for name, why in EXCLUDED.get(role, {}).items():
+        lines.append(f"# ugro-excludes: {name} ({why})")
     lines += [pins[name].text for name in sorted(pins)]
     return "\n".join(lines) + "\n"
 
@@ -110,33 +146,61 @@ def _subset(node: dict[str, Pin], full: dict[str, Pin], role: str, python: str) 
     return {n: p for n, p in full.items() if n not in node}
 
 
-def resolve_python(python: str, reference: dict[str, Pin]) -> dict[str, dict[str, Pin]]:
-    """node, gpu (beyond node) and controller (beyond node) for one Python, under the reference versions."""
+def locked(python: str, role: str) -> dict[str, Pin]:
+    """What the lock files of `role` (on top of node's, but for the MLflow server's) pin today: empty if none."""
+    names = [role] if role == "mlflow-server" else ["node", *([role] if role != "node" else [])]
+    paths = [LOCKS / f"py{python}" / f"{name}.txt" for name in names]
+    return {name: pin for path in paths if path.is_file() for name, pin in parse(path.read_text()).items()}
+
+
+def resolve_python(
+    python: str, references: dict[str, dict[str, Pin]], upgrade: bool = False
+) -> dict[str, dict[str, Pin]]:
+    """node, gpu (beyond node), controller (beyond node) and the MLflow server (alone) for one Python, each under
+    its own reference versions (what the oldest Python resolved for the same host, node included); with `upgrade`
+    False each set keeps what its lock pins today wherever that still resolves.
+
+    gpu.txt and controller.txt are never installed together, so neither constrains the other: the controller only
+    prefers the GPU set's versions (importlib-metadata: unsloth's diffusers takes 10, mlflow-skinny wants <10)."""
 
     def req(role: str) -> list[Path]:
         return [REQUIREMENTS / f"{name}.in" for name in INPUTS[role]]
 
-    gpu = _drop(compile_set(req("gpu"), python, reference), OMITTED["gpu"])
+    def prefer(role: str) -> dict[str, Pin]:
+        return {} if upgrade else locked(python, role)
+
+    gpu = _drop(compile_set(req("gpu"), python, references["gpu"], preferences=prefer("gpu")), OMITTED["gpu"])
     node = compile_set(req("node"), python, gpu)
     on_nodes = sorted(n for n in node if NOT_ON_NODES.match(n))
     if on_nodes:
         raise LockError(f"Python {python}: node.txt would put {on_nodes} on every node")
-    controller = compile_set(req("controller"), python, {**reference, **node})
+    controller = compile_set(req("controller"), python, {**references["controller"], **node},
+                             EXCLUDED["controller"], {**gpu, **prefer("controller")})  # fmt: skip
+    server = compile_set(req("mlflow-server"), python, references["mlflow-server"], preferences=prefer("mlflow-server"))
     return {
         "node": node,
         "gpu": _subset(node, gpu, "gpu", python),
         "controller": _subset(node, controller, "controller", python),
+        "mlflow-server": server,
     }
 
 
-def generate() -> dict[Path, str]:
+def generate(upgrade: bool = False) -> dict[Path, str]:
     """Every lock file's text, by path; nothing is written."""
     first, *others = PYTHONS
-    reference = _drop(compile_set([REQUIREMENTS / "node.in", REQUIREMENTS / "gpu.in"], first), OMITTED["gpu"])
-    sets = {first: resolve_python(first, reference)}
-    reference = {name: pin for pins in sets[first].values() for name, pin in pins.items()}
+    gpu = compile_set([REQUIREMENTS / "node.in", REQUIREMENTS / "gpu.in"], first,
+                      preferences={} if upgrade else locked(first, "gpu"))  # fmt: skip
+    sets = {first: resolve_python(first, {"gpu": _drop(gpu, OMITTED["gpu"]), "controller": {}, "mlflow-server": {}},
+                                  upgrade)}  # fmt: skip
+    done = sets[first]
+    references = {
+        "gpu": {**done["node"], **done["gpu"]},
+        "controller": {**done["node"], **done["controller"]},
+        "mlflow-server": done["mlflow-server"],
+    }
     with ThreadPoolExecutor(max_workers=len(others)) as pool:
-        sets |= dict(zip(others, pool.map(lambda py: resolve_python(py, reference), others), strict=True))
+        resolved = pool.map(lambda py: resolve_python(py, references, upgrade), others)
+        sets |= dict(zip(others, resolved, strict=True))
     files = {
         LOCKS / f"py{python}" / f"{role}.txt": render(role, python, pins)
         for python, roles in sets.items()
@@ -153,7 +217,7 @@ def generate() -> dict[Path, str]:
 
 def main() -> int:
     try:
-        files = generate()
+        files = generate(upgrade=os.environ.get("UPGRADE", "") not in ("", "0"))
     except (LockError, subprocess.TimeoutExpired) as exc:
         print(f"make lock: {exc}", file=sys.stderr)
         return 1

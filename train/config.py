@@ -195,6 +195,16 @@ class EvalConfig(_Strict):
     samples: int = Field(3, ge=0, description="Held-out questions answered by the base and the fine-tuned model.")
     max_new_tokens: int = Field(64, gt=0, description="Length limit of each greedy sample answer.")
     batch_size: int = Field(8, gt=0, description="Held-out records per forward pass on a rank.")
+    tasks: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")]] = Field(
+        default_factory=list,
+        description="lm-evaluation-harness tasks `make eval` runs on the base and the tuned model once training "
+        "finished (docs/export.md): heldout (the job's own held-out set, generated from eval.source: perplexity, and "
+        "for chat and instruction data a generation task) and any task whose data is local or cached. Empty: none "
+        "after training (`make eval` still runs heldout).",
+    )
+    tasks_limit: int | None = Field(
+        None, gt=0, description="At most this many documents of each lm-evaluation-harness task (none: all)."
+    )
 
 
 class OptimConfig(_Strict):
@@ -413,6 +423,30 @@ class StagesConfig(_Strict):
 
 Parallel = Literal["auto", "data"] | StagesConfig
 
+
+class MlflowConfig(_Strict):
+    """Where `report_to: [mlflow]` logs (docs/monitoring.md); unset keys come from MLflow's own variables."""
+
+    tracking_uri: str | None = Field(
+        None, description="The tracking server (http://host:5000) or store; else MLFLOW_TRACKING_URI."
+    )
+    experiment: str | None = Field(None, description="The experiment; else MLFLOW_EXPERIMENT_NAME, else the job name.")
+
+
+class WandbConfig(_Strict):
+    """Where `report_to: [wandb]` logs (docs/monitoring.md); unset keys come from W&B's own variables. The API key
+    only ever comes from WANDB_API_KEY or `wandb login`, never from a job file (which is recorded with the run)."""
+
+    project: str | None = Field(None, description="The project; else WANDB_PROJECT, else the job name.")
+    entity: str | None = Field(None, description="The team or user; else WANDB_ENTITY, else the key's default.")
+    mode: Literal["online", "offline"] | None = Field(
+        None,
+        description="offline: the run stays in runs/<job-id>/wandb for `wandb sync`; else WANDB_MODE, else online.",
+    )
+
+
+Tracker = Literal["mlflow", "wandb"]
+
 CLUSTER_WIDE_SECTIONS = (
     "model", "lora", "data", "eval", "optim", "schedule", "train", "preference", "checkpoint", "distributed",
 )  # fmt: skip
@@ -445,6 +479,13 @@ class JobConfig(_Strict):
     )
     rank_local: RankLocalConfig = RankLocalConfig()
     benchmark: BenchmarkConfig | None = None
+    report_to: list[Tracker] = Field(
+        default_factory=list,
+        description="Trackers the controller reports the run to besides its records in runs/<job-id>/ and "
+        "TensorBoard (always written): mlflow and/or wandb, one tracker run per job (docs/monitoring.md).",
+    )
+    mlflow: MlflowConfig = MlflowConfig()
+    wandb: WandbConfig = WandbConfig()
 
     @model_validator(mode="after")
     def _check_combinations(self) -> JobConfig:

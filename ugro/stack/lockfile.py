@@ -3,6 +3,7 @@
     requirements/locks/py3.X/node.txt        every node (the trainer)
     requirements/locks/py3.X/gpu.txt         a host with an NVIDIA GPU adds these (unsloth)
     requirements/locks/py3.X/controller.txt  the controller's .venv adds these (Ansible, the CLI, the test tools)
+    requirements/locks/py3.X/mlflow-server.txt  an MLflow tracking server's own venv (make mlflow-server)
 
 `make lock` (tools/lock.py) writes them; preflight, the stack check and the tests read them through here.
 """
@@ -61,3 +62,8 @@ def read(path: Path) -> dict[str, Pin]:
 def omitted(path: Path) -> list[str]:
     """The packages a lock file says it leaves out on purpose (`# ugro-omits: name (why)` lines)."""
     return [canonical(m) for m in re.findall(r"^# ugro-omits: (\S+)", path.read_text(), re.M)]
+
+
+def excluded(path: Path) -> list[str]:
+    """The packages a lock file resolves without on purpose (`# ugro-excludes: name (why)` lines): sources only."""
+    return [canonical(m) for m in re.findall(r"^# ugro-excludes: (\S+)", path.read_text(), re.M)]
