@@ -132,6 +132,10 @@ export: venv
 chat: venv
 	$(UGRO) chat $(if $(JOB_ID),--job-id $(JOB_ID))
 
+# lm-evaluation-harness on the base and the run's model (docs/export.md, "Benchmarks: make eval").
+eval: venv
+	$(UGRO) eval $(if $(JOB_ID),--job-id $(JOB_ID)) $(if $(TASKS),--tasks $(TASKS)) $(if $(LIMIT),--limit $(LIMIT))
+
 validate: venv
 	$(UGRO) validate --job $(JOB) $(if $(filter-out file,$(origin INVENTORY)),--inventory $(INVENTORY)) $(SET_ARGS) $(if $(SHOW),--show $(SHOW))
 
@@ -183,8 +187,9 @@ typecheck: venv
 # ranks and Molecule's Ansible both want the CPU, and together they took longer (docs/results.md). Each phase prints
 # its duration as it ends (tools/timed); a failing check's output comes whole (--output-sync).
 TIMED := tools/timed
-test: venv mlflow-venv
-	$(TIMED) "make test: lint and types" $(MAKE) --no-print-directory -j2 --output-sync=target lint typecheck
+test: venv
+	$(TIMED) "make test: lint, types and the MLflow server's venv" \
+		$(MAKE) --no-print-directory -j2 --output-sync=target lint typecheck mlflow-venv
 	$(TIMED) "make test: pytest and Molecule" tools/pytest-pair --then-molecule $(PY) $(PYTEST_ARGS)
 
 # The fast tier, a developer's loop (tests/README.md): ruff, then the tests that use none of the test cluster,

@@ -6,6 +6,7 @@ plan                               which rank holds which layers: data parallel 
 preflight, doctor                  checks before a launch and after a failure (ugro/checks/)
 status, logs, stop                 a running or finished job on its hosts (playbooks/)
 export, chat                       use the run's model: merged, GGUF for llama.cpp / Ollama, a chat (ugro/model/)
+eval                               lm-evaluation-harness, base vs tuned (ugro/evaluation/)
 dashboard, prometheus-config       watching the cluster (ugro/monitoring/)
 slurm-script, k8s-manifest         the same job under a batch scheduler (ugro/schedulers/)
 
@@ -22,6 +23,7 @@ from ugro.commands import (
     chat,
     dashboard,
     doctor,
+    eval,
     export,
     follow,
     k8s_manifest,
@@ -46,6 +48,7 @@ COMMANDS = (
     preflight,
     doctor,
     export,
+    eval,
     chat,
     status,
     lend,

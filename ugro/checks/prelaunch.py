@@ -1,7 +1,7 @@
 """Whether a job may launch on an inventory's hosts (`make train`; `make validate INVENTORY=...` asks the hosts'
 part), asked in the order a person needs the answers:
 
-1. the job against the inventory: enough hosts for ``train.min_hosts``;
+1. the job against the inventory: enough hosts for ``train.min_hosts``; ``eval.tasks`` tasks lm-eval knows;
 2. where the run goes, and under which job id (ugro/run/launch.py);
 3. the base model here (converted from its wheel once) and the LoRA targets against it;
 4. the fast preflight on every host (``fast``), its answers in this order:
@@ -115,10 +115,28 @@ def model_here(job: JobConfig, say: Callable[[str], None]) -> None:
         raise Refused(str(exc)) from None
 
 
+def eval_tasks(job: JobConfig, job_file: Path) -> None:
+    """eval.tasks, which `make eval` runs once training finished: every name a task lm-eval knows (heldout is the
+    run's own), on a pretrained base (lm-eval loads its weights)."""
+    if job.eval is None or not job.eval.tasks:
+        return
+    if job.model.init != "pretrained":
+        raise Refused(f"{job_file}: eval.tasks needs model.init: pretrained (lm-eval loads the base model's weights, "
+                      "which a randomly initialised model has none of): remove eval.tasks")  # fmt: skip
+    from ugro.evaluation.runner import unknown_tasks
+
+    unknown = unknown_tasks(job.eval.tasks)
+    if unknown:
+        raise Refused(f"{job_file}: eval.tasks: lm-eval has no task {', '.join(repr(n) for n in unknown)}; name "
+                      "heldout (the run's own held-out set) or a task of `lm_eval ls tasks` whose data is local or "
+                      "cached")  # fmt: skip
+
+
 def ready(request: Request, say: Callable[[str], None]) -> Ready:
     """Every check before the launch, in order (the module's docstring); ``say`` shows progress lines."""
     job, job_file, inventory, cluster = request.job, request.job_file, request.inventory, request.cluster
     min_hosts(job, job_file, inventory, cluster)
+    eval_tasks(job, job_file)
     runs = launch.runs_for(cluster, inventory)
     model_here(job, say)
     job_id, note = launch.pick_job_id(job.name, request.resume, runs)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from train.config import ConfigError, JobConfig, load_job
 from ugro.checks import jobcheck
@@ -70,6 +71,11 @@ def shown(path: Path) -> str:
 
 def dim(text: str) -> None:
     console.print(f"[dim]{text}[/]", highlight=False)
+
+
+def warn(line: str) -> None:
+    """One warning line, taken as it is (no markup), never wrapped: a tracker that cannot be reached, say."""
+    err.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
 
 def checked(job_file: Path) -> tuple[JobConfig, jobcheck.DataSummary]:

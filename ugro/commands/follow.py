@@ -9,10 +9,11 @@ import typer
 from rich.markup import escape
 
 from ugro.commands import ending
-from ugro.commands.common import JobIdOpt, clock, cluster, console, fail, job_id_or_latest, load
-from ugro.hosts.playbook import runs_dir
+from ugro.commands.common import JobIdOpt, clock, cluster, console, fail, job_id_or_latest, load, warn
+from ugro.hosts.playbook import REPO, runs_dir
 from ugro.run import attach, launch
 from ugro.run.supervisor import Supervisor
+from ugro.tracking.feed import Feed
 
 
 def follow(
@@ -40,13 +41,22 @@ def follow(
                   f"{len(left.restarts)} restart(s) so far", highlight=False)  # fmt: skip
     for restart in left.restarts:
         console.print(f"[yellow]{escape(restart.line())}[/]", highlight=False)
-    supervisor = Supervisor(job, hosts, inventory, run_dir, launched.extravars, console, poll or launched.poll_s)
+    # The tracker runs `make train` opened (runs/<job-id>/tracking.json), continued.
+    code_hash = str(launched.extravars.get("ugro_code_hash") or "")
+    feed = Feed.start(job, run_dir, code_hash, list(hosts.hosts), hosts.remote, warn, REPO)
+    supervisor = Supervisor(job, hosts, inventory, run_dir, launched.extravars, console, poll or launched.poll_s,
+                            on_poll=feed.poll)  # fmt: skip
     try:
         with attach.following(run_dir):
             outcome = supervisor.run(False, attached=left)
     except KeyboardInterrupt:
+        feed.detach()
         raise ending.detached(job_id) from None
+    except BaseException:
+        feed.finish("failed")
+        raise
     launch.conclude(outcome, inventory, run_dir)
+    feed.finish(outcome.state)
     ending.report(outcome, run_dir)
 
 

@@ -11,6 +11,7 @@ from train.config import JobConfig
 from train.metrics import write_status
 from ugro.checks import prelaunch, ranks
 from ugro.commands import ending
+from ugro.commands import eval as evaluation
 from ugro.commands.common import (
     DEFAULT_INVENTORY,
     DEFAULT_JOB,
@@ -25,12 +26,15 @@ from ugro.commands.common import (
     playbook_failed,
     refused,
     tokenized,
+    warn,
     with_settings,
 )
 from ugro.commands.preflight import show_fast
+from ugro.hosts.playbook import REPO
 from ugro.model.jsonfile import read_object
 from ugro.run import launch, phases
 from ugro.run.supervisor import LaunchError, Supervisor
+from ugro.tracking.feed import Feed
 
 
 def _length(job: JobConfig) -> str:
@@ -86,21 +90,32 @@ def train(
     )
     poll_s = launch.poll_seconds(hosts, poll)
     launch.record(prepared, job_file, inventory, poll_s)
+    # The job's trackers (report_to): one tracker run per job, continued by RESUME=auto and `make follow`.
+    feed = Feed.start(job, prepared.run_dir, prepared.code_hash, list(hosts.hosts), hosts.remote, warn, REPO)
     supervisor = Supervisor(job, hosts, inventory, prepared.run_dir, prepared.extravars, console, poll_s,
-                            on_task=lambda name: dim(f"- {name}"))  # fmt: skip
+                            on_task=lambda name: dim(f"- {name}"), on_poll=feed.poll)  # fmt: skip
     try:
         outcome = launch.follow_new(supervisor, resume == "auto")
     except LaunchError as exc:
+        feed.finish("failed")
         raise playbook_failed(exc.run, "launch") from None
     except KeyboardInterrupt:
+        feed.detach()
         raise ending.detached(ready.job_id) from None
-    launch.conclude(outcome, inventory, prepared.run_dir)
-    # The first main rank's, as a poll saw them, else as collected with the logs.
-    ranks_phases = supervisor.ranks_phases or read_object(prepared.run_dir / "run.json").get("phases")
-    seconds = timing.seconds(supervisor.first_launch, ranks_phases if isinstance(ranks_phases, dict) else None)
-    write_status(prepared.run_dir, launch_phases=seconds)
-    dim(f"to the first step: {phases.line(seconds)}")
-    ending.report(outcome, prepared.run_dir)
+    except BaseException:
+        feed.finish("failed")
+        raise
+    launch.conclude(outcome, inventory, prepared.run_dir)  # a remote run's records are here now
+    try:
+        # The first main rank's, as a poll saw them, else as collected with the logs.
+        ranks_phases = supervisor.ranks_phases or read_object(prepared.run_dir / "run.json").get("phases")
+        seconds = timing.seconds(supervisor.first_launch, ranks_phases if isinstance(ranks_phases, dict) else None)
+        write_status(prepared.run_dir, launch_phases=seconds)
+        dim(f"to the first step: {phases.line(seconds)}")
+        ending.report(outcome, prepared.run_dir)  # a run that did not finish ends here (exit 1)
+        evaluation.after_training(prepared.run_dir)  # eval.tasks: `make eval`, its results kept by the trackers too
+    finally:
+        feed.finish(outcome.state)
 
 
 def register(app: typer.Typer) -> None:

@@ -40,6 +40,7 @@ PLAN_SOURCES = {  # train/balance/planner.py Plan.source
 }
 ANSWER_CHARS = 600  # longer sample answers are cut at a word boundary
 QUESTION_CHARS = 300
+BENCHMARKS = "Benchmarks (lm-evaluation-harness)"
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ def render_card(
         ("Cluster", _cluster_section(run_dir, run)),
         ("Held-out evaluation", _eval_section(run_dir, run)),
         *extra,
+        (BENCHMARKS, benchmarks_section(run_dir)),
         ("Samples", _samples_section(run_dir)),
         ("Restarts", _restarts_section(run)),
         ("Reproduce", _reproduce_section(run_dir, run, job, artifact)),
@@ -429,6 +431,40 @@ def _eval_section(run_dir: Path, run: dict[str, Any]) -> str:
                             *(f"step {r['step']} {float(r['eval_loss']):.4f}" for r in tuned)])  # fmt: skip
         lines += ["", f"Along the run: {points}."]
     return "\n".join(lines)
+
+
+def benchmarks_section(run_dir: Path) -> str:
+    """`make eval`'s table (runs/<job-id>/eval/results.json), or "" where the run has not been evaluated."""
+    from ugro.evaluation.results import markdown_table, read_rows
+
+    recorded = read_rows(run_dir)
+    if recorded is None:
+        return ""
+    record, table = recorded
+    limit = f", at most {record['limit']} documents per task" if record.get("limit") else ""
+    lines = [f"`make eval` (lm-evaluation-harness {record.get('lm_eval_version', '?')}{limit}): the base model "
+             "against the fine-tuned one. heldout is the run's own held-out set, the answers' likelihood as trained; "
+             "heldout_gen its greedy answers against the references (chrF, BLEU).",
+             "", markdown_table(table)]  # fmt: skip
+    return "\n".join(lines)
+
+
+def refresh_benchmarks(card: Path, run_dir: Path) -> None:
+    """Put the run's current Benchmarks section into a card written earlier (``make export``), in the place
+    ``render_card`` gives it (before Samples), the rest of the card as it was."""
+    text = card.read_text(encoding="utf-8")
+    heading = f"## {BENCHMARKS}\n"
+    if heading in text:  # the old section out, up to the next heading
+        start = text.index(heading)
+        end = text.find("\n## ", start + len(heading))
+        text = text[:start] + (text[end + 1 :] if end != -1 else "")
+    body = benchmarks_section(run_dir)
+    if body:
+        section = f"{heading}\n{body}\n\n"
+        anchors = [f"\n## {h}\n" for h in ("Samples", "Restarts", "Reproduce")]
+        at = min((text.index(a) + 1 for a in anchors if a in text), default=len(text))
+        text = text[:at] + section + text[at:]
+    card.write_text(text, encoding="utf-8")
 
 
 def _samples_section(run_dir: Path) -> str:

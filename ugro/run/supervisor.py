@@ -122,6 +122,8 @@ class Supervisor:
     console: Console
     poll_s: float
     on_task: Callable[[str], None] | None = None
+    # Called on every poll with the main host and every host's state (the trackers' feed: ugro/tracking/feed.py).
+    on_poll: Callable[[str, Statuses], None] | None = None
 
     def __post_init__(self) -> None:
         self.private = self.run_dir / ".control" / "ansible"
@@ -228,6 +230,8 @@ class Supervisor:
         source, pacer = self._source(hosts, main)
 
         def until(statuses: Statuses) -> bool:
+            if self.on_poll is not None:
+                self.on_poll(main, statuses)
             watch.note(statuses)
             main_status = dict(statuses.get(main, {}))
             seen["step"] = max(seen["step"], int(main_status.get("step") or 0))
