@@ -49,3 +49,16 @@ def test_a_bad_setting_is_one_error_naming_the_key_and_leaves_no_file(tmp_path: 
     refused = cli("validate", "--job", "jobs/default.yaml", "--set", "optim.lrr=1", timeout=120)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "unknown key 'optim.lrr'" in " ".join(refused.stderr.split())
+
+
+def test_a_list_setting_is_shown_as_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    """`make train SET="report_to=[mlflow]"` echoes the settings it laid over the job file: a list's brackets are
+    text, not console markup (they were swallowed: 'with report_to= ...')."""
+    from ugro.commands.common import with_settings
+
+    path = with_settings(REPO / "jobs" / "default.yaml", ["report_to=[mlflow]", "eval.tasks=[heldout]"])
+    try:
+        shown = " ".join(capsys.readouterr().out.split())
+        assert "with report_to=[mlflow] eval.tasks=[heldout]:" in shown, shown
+    finally:
+        (REPO / path if not path.is_absolute() else path).unlink()

@@ -181,6 +181,11 @@ def test_a_real_run_is_one_finished_mlflow_run_with_its_params_metrics_and_files
     assert [m.step for m in client.get_metric_history(run.info.run_id, "lr")] == [1, 2, 3, 4, 5, 6]
     share = client.get_metric_history(run.info.run_id, "host/localhost/share")
     assert [round(m.value, 6) for m in share] == [1.0] * 6
+    # Each rank's peak memory (its process's resident set here), carried by the step's exchange from step 2 on.
+    for rank in (0, 1):
+        memory = client.get_metric_history(run.info.run_id, f"rank{rank}/peak_gib")
+        assert [m.step for m in memory] == [2, 3, 4, 5, 6] and all(0.1 < m.value < 64 for m in memory), memory
+        assert [m.value for m in memory] == [r["ranks"]["peak_gib"][rank] for r in rows[1:]]
     evals = _rows(run_dir / "eval.jsonl")
     tuned = [(r["step"], r["eval_loss"]) for r in evals if r["model"] == "fine-tuned"]
     assert tuned and [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval_loss")] == tuned

@@ -270,7 +270,8 @@ class Rank:
     def record(self, done: int, loss: float, tokens: int, lr: float, grad_norm: float, shares: Any) -> None:
         """The step's rows: this rank's status, the shadow's and the main rank's metrics, and the log line."""
         info, progress, clock = self.info, self.progress, self.balancer.clock
-        figures = rank_figures(info.hosts, shares, clock.gathered, clock.gathered_tokens)
+        figures = rank_figures(info.hosts, shares, clock.gathered, clock.gathered_tokens, clock.gathered_peak_gib)
+        clock.last_peak_gib = engine.peak_gib(info.device)  # the next step's exchange carries it to every rank
         if progress.weights_due and progress.regrouped is not None:  # the survivors' weights, to compare
             progress.regrouped["weights"] = {"step": done, "sha256": weights_digest(self.trainable)}
             progress.weights_due = False

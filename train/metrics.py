@@ -172,17 +172,23 @@ class MetricsWriter:
 
 
 def rank_figures(
-    hosts: Sequence[str], shares: Sequence[int], ready_s: Sequence[float], tokens: Sequence[float]
+    hosts: Sequence[str],
+    shares: Sequence[int],
+    ready_s: Sequence[float],
+    tokens: Sequence[float],
+    peak_gib: Sequence[float] = (),
 ) -> dict[str, list[Any]]:
     """Every rank's host and share of this step's global batch (0-1), and, from the step before (the figures
     this step's all-reduce brought: train/balance/step.py ``StepClock``), its compute time until its gradients were
-    ready and its label tokens per second of that time; None where nothing was timed yet (a run's first step)."""
+    ready, its label tokens per second of that time and its peak memory in GiB (on its GPU, else its process's peak
+    resident set); None where nothing was measured yet (a run's first step)."""
     total = sum(shares) or 1
     return {
         "host": list(hosts),
         "share": [round(s / total, 6) for s in shares],
         "ready_s": [round(t, 4) if t > 0 else None for t in ready_s],
         "tokens_per_s": [round(n / t, 1) if t > 0 else None for n, t in zip(tokens, ready_s, strict=False)],
+        "peak_gib": [round(g, 3) if g > 0 else None for g in peak_gib],
     }
 
 
@@ -222,6 +228,7 @@ class RankStatus:
             "share": self._own("share"),
             "ready_s": self._own("ready_s"),
             "tokens_per_s": self._own("tokens_per_s"),
+            "peak_gib": self._own("peak_gib"),
             "part": self.part,
             "device": self.device,
             "regrouped": self.regrouped,

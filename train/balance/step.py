@@ -113,8 +113,10 @@ class StepClock:
     events: Callable[[], Event] | None = None  # None: host timestamps; else device events (see above)
     last_host_s: float = 0.0  # the previous step's compute time by host timestamps (on CPU: the time)
     last_tokens: int = 0  # this rank's label tokens in the previous step, shared alongside its time
+    last_peak_gib: float = 0.0  # this rank's peak memory through the previous step (train/layout/engine.py peak_gib)
     gathered: list[float] = field(default_factory=list)  # every rank's previous-step compute time
     gathered_tokens: list[float] = field(default_factory=list)  # every rank's previous-step label tokens
+    gathered_peak_gib: list[float] = field(default_factory=list)  # every rank's peak memory through the previous step
     # Plain data the step's exchange carries for the group (train/recovery/membership.py): this rank's term (the main
     # rank's count of hosts waiting to join), and after the exchange their sum, the same on every rank; and whether
     # this rank's host is wanted back (train/recovery/lending.py: 0 no, else the code of who wants it), and after the
@@ -202,7 +204,7 @@ class StepClock:
 
 def exchange(counted_tokens: int, clock: StepClock, health: GroupHealth | None = None) -> int:
     """Collective, once per step: the step's label tokens summed over the ranks (each counts ``counted_tokens``),
-    every rank's compute time and tokens of the previous step into ``clock.gathered*``, ``clock.proposing``
+    every rank's compute time, tokens and peak memory of the previous step into ``clock.gathered*``, ``clock.proposing``
     summed into ``clock.proposed`` (a newer group is proposed: every rank learns it in the same step), and the ranks
     whose ``clock.leaving`` was set into ``clock.leavers`` (rank -> its code)."""
     return exchange_sums(counted_tokens, clock, health)[0]
@@ -216,18 +218,20 @@ def exchange_sums(
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
     rank = dist.get_rank() if initialized else 0
-    base = 2 + 3 * world
+    base = 2 + 4 * world
     stats = comm.zeros(base + len(extra), torch.float64)
     stats[0] = counted_tokens
     stats[1 + rank] = clock.last_compute_s
     stats[1 + world + rank] = clock.last_tokens
     stats[1 + 2 * world + rank] = clock.leaving
+    stats[1 + 3 * world + rank] = clock.last_peak_gib
     stats[base - 1] = clock.proposing
     for i, value in enumerate(extra):
         stats[base + i] = value
     values = _summed(stats, health)
     clock.gathered, clock.gathered_tokens = values[1 : 1 + world], values[1 + world : 1 + 2 * world]
     clock.leavers = {r: int(code) for r, code in enumerate(values[1 + 2 * world : 1 + 3 * world]) if code > 0}
+    clock.gathered_peak_gib = values[1 + 3 * world : 1 + 4 * world]
     clock.proposed = int(values[base - 1])
     return int(values[0]), values[base:]
 

@@ -126,7 +126,7 @@ def with_settings(job_file: Path, setting: list[str] | None) -> Path:
     except ConfigError as exc:
         raise fail(str(exc)) from None
     shown = path.relative_to(REPO)
-    dim(f"{job_file} with {' '.join(setting)}: {shown}")
+    dim(escape(f"{job_file} with {' '.join(setting)}: {shown}"))  # [mlflow] is a value, not markup
     return shown if Path.cwd().resolve() == REPO.resolve() else path
 
 

@@ -39,12 +39,13 @@ def _number(value: Any) -> float | None:
 
 def train_point(row: dict[str, Any]) -> Point:
     """One metrics.jsonl row: its figures (loss, lr, grad_norm, tokens, tokens/s, epoch, elapsed, ETA, a preference
-    method's), and per rank and per host its share of the batch, tokens/s and ready time."""
+    method's), per rank its share of the batch, tokens/s, ready time and peak memory (GiB), and per host the sum of
+    its ranks' shares and tokens/s and the largest of their peak memories."""
     values = {k: n for k, v in row.items() if k not in NOT_METRICS and (n := _number(v)) is not None}
     found = row.get("ranks")
     ranks: dict[str, Any] = found if isinstance(found, dict) else {}
     hosts = [str(h) for h in ranks.get("host") or []]
-    for key in ("share", "tokens_per_s", "ready_s"):
+    for key in ("share", "tokens_per_s", "ready_s", "peak_gib"):
         for rank, value in enumerate(ranks.get(key) or []):
             number = _number(value)
             if number is None:
@@ -52,7 +53,8 @@ def train_point(row: dict[str, Any]) -> Point:
             values[f"rank{rank}/{key}"] = number
             if rank < len(hosts) and key != "ready_s":
                 name = f"host/{hosts[rank]}/{key}"
-                values[name] = values.get(name, 0.0) + number
+                together = max if key == "peak_gib" else sum  # one card's memory each: the fullest is the host's
+                values[name] = together((values.get(name, 0.0), number))
     return Point(int(row["step"]), values, float(row.get("time") or 0.0))
 
 
