@@ -41,7 +41,8 @@ help:
 	@echo "make provision [INVENTORY=...] [ANSIBLE_ARGS=...]   provision the hosts: driver, CUDA, Python env, network, firewall, exporter"
 	@echo "make export [JOB_ID=...] [FORMAT=gguf]   the run's model merged into its base (runs/<job-id>/merged), or as GGUF + Ollama Modelfile (runs/<job-id>/gguf)"
 	@echo "make eval [JOB_ID=...] [TASKS=heldout,...]   lm-evaluation-harness on the base and the run's model, side by side (runs/<job-id>/eval)"
-	@echo "make mlflow-server [PORT=5000]   an MLflow tracking server on this machine for report_to: [mlflow] (runs/mlflow)"
+	@echo "make mlflow-server [PORT=5000] [MLFLOW_STORE=runs/mlflow]   an MLflow tracking server here for report_to: [mlflow]"
+	@echo "make mlflow-venv     .venv-mlflow: the MLflow server's own venv from its lock (make test builds it)"
 	@echo "make chat [JOB_ID=...]     talk to a run's model in the terminal (/base, /tuned, /reset, /quit)"
 	@echo "make dashboard [INVENTORY=...]   live view of every node's exporter (GPUs, job, loss, per-rank balance); q quits"
 	@echo "make prometheus-config [INVENTORY=...] [OUT=...]   runs/monitoring/prometheus.yml: a Prometheus scrape config of every exporter"
@@ -85,9 +86,11 @@ venv: $(VENV)/.installed
 # An MLflow tracking server in a venv of its own (requirements/locks/py3.X/mlflow-server.txt: its pyarrow could not sit
 # beside the node lock's); the controller is only its client. `make mlflow-server` serves runs/mlflow on this machine's
 # loopback (PORT=5000; MLFLOW_HOST=0.0.0.0 for the LAN), the tracker tests start their own from the same venv.
-MLFLOW_VENV := .venv-mlflow
-PORT        ?= 5000
-MLFLOW_HOST ?= 127.0.0.1
+MLFLOW_VENV    := .venv-mlflow
+PORT           ?= 5000
+MLFLOW_HOST    ?= 127.0.0.1
+MLFLOW_STORE   ?= runs/mlflow
+MLFLOW_WORKERS ?= 2
 $(MLFLOW_VENV)/.installed: $(LOCKDIR)/mlflow-server.txt | $(VENV)/.installed
 	$(PYTHON) -m venv $(MLFLOW_VENV)
 	$(VENV)/bin/uv pip sync --no-config --require-hashes --compile-bytecode --python $(MLFLOW_VENV)/bin/python $<
@@ -96,9 +99,10 @@ $(MLFLOW_VENV)/.installed: $(LOCKDIR)/mlflow-server.txt | $(VENV)/.installed
 mlflow-venv: $(MLFLOW_VENV)/.installed
 
 mlflow-server: mlflow-venv
-	mkdir -p runs/mlflow
-	$(MLFLOW_VENV)/bin/mlflow server --host $(MLFLOW_HOST) --port $(PORT) \
-		--backend-store-uri sqlite:///runs/mlflow/mlflow.db --artifacts-destination runs/mlflow/artifacts
+	mkdir -p $(MLFLOW_STORE)
+	$(MLFLOW_VENV)/bin/mlflow server --host $(MLFLOW_HOST) --port $(PORT) --workers $(MLFLOW_WORKERS) \
+		--backend-store-uri sqlite:///$(abspath $(MLFLOW_STORE))/mlflow.db \
+		--artifacts-destination $(abspath $(MLFLOW_STORE))/artifacts
 
 # SET="optim.lr=1e-4 train.max_steps=200": keys of the job laid over the job file (ugro/run/settings.py).
 SET_ARGS = $(foreach setting,$(SET),--set '$(setting)')

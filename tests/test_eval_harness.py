@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import REPO, cli, runs_dir
+from helpers import REPO, make, runs_dir
 
 from train.config import ConfigError, JobConfig
 from ugro.evaluation.heldout import held_out_set
@@ -99,8 +99,8 @@ def test_generated_tasks_load_in_lm_eval_with_the_held_out_records(finished_run:
         assert generation.doc_to_target(doc) == record["output"]
 
 
-def test_ugro_eval_prints_base_against_tuned_and_the_tuned_model_is_better(finished_run: Path) -> None:
-    result = cli("eval", "--job-id", JOB_ID, "--limit", str(RECORDS), timeout=300, env={"COLUMNS": "200"})
+def test_make_eval_prints_base_against_tuned_and_the_tuned_model_is_better(finished_run: Path) -> None:
+    result = make("eval", f"JOB_ID={JOB_ID}", f"LIMIT={RECORDS}", timeout=300, env={"COLUMNS": "200"})
     assert result.returncode == 0, result.stdout + result.stderr
     shown = " ".join(result.stdout.split())
     assert "base vs tuned" in shown and "token_perplexity" in shown and "chrf" in shown, result.stdout

@@ -36,6 +36,9 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "bench": ("tests/test_balance.py", 'make("bench"'),
     "preflight": ("tests/test_preflight.py", 'make("preflight"'),
     "lend": ("tests/test_cluster_lending.py", '[*make, "lend"]'),
+    "mlflow-venv": ("Makefile", "lint typecheck mlflow-venv"),  # make test's first phase, beside lint and types
+    "mlflow-server": ("tests/test_tracking.py", '"mlflow-server"'),
+    "eval": ("tests/test_eval_harness.py", 'make("eval"'),
 }
 # target -> why it does not run in CI, and what runs its command instead.
 NOT_IN_CI: dict[str, str] = {

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 # The rooms the commands call into.
 COMMANDS_CALL = {
     "ugro.hosts", "ugro.stack", "ugro.model", "ugro.run", "ugro.checks", "ugro.monitoring", "ugro.schedulers",
+    "ugro.evaluation", "ugro.tracking",
 }  # fmt: skip
 
 # What each room of the controller may import besides itself (train/ and ugro.module_utils are open to all).
@@ -28,8 +29,11 @@ ALLOWED: dict[str, set[str]] = {
     "ugro.hosts": set(),
     "ugro.model": set(),
     "ugro.run": {"ugro.hosts", "ugro.monitoring"},
-    "ugro.checks": {"ugro.hosts", "ugro.stack", "ugro.model", "ugro.run"},
+    "ugro.checks": {"ugro.hosts", "ugro.stack", "ugro.model", "ugro.run", "ugro.evaluation"},
     "ugro.monitoring": {"ugro.hosts"},
+    # lm-evaluation-harness on a run's models (make eval), and the trackers fed from a run's records.
+    "ugro.evaluation": {"ugro.model"},
+    "ugro.tracking": {"ugro.model"},
     "ugro.schedulers": {"ugro.hosts", "ugro.checks", "ugro.model"},
     # One module per command: parsing and printing, the decisions in the rooms they call.
     "ugro.commands": COMMANDS_CALL,

@@ -32,17 +32,16 @@ PYTHON = REPO / ".venv" / "bin" / "python"
 
 @pytest.fixture(scope="module")
 def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real MLflow tracking server on a free loopback port, its store in a temporary directory; stopped by its own
-    process group at the end."""
+    """A real MLflow tracking server on a free loopback port (`make mlflow-server`, as a user starts it), its store in a
+    temporary directory; stopped by its own process group at the end."""
     if not MLFLOW.is_file():
         pytest.fail(f"{MLFLOW} missing: `make mlflow-venv` builds it (make test depends on it)")
     store = tmp_path_factory.mktemp("mlflow")
     port = free_port()
     log = (store / "server.log").open("w")
     server = subprocess.Popen(
-        [str(MLFLOW), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{store}/mlflow.db", "--artifacts-destination", str(store / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        ["make", "--no-print-directory", "mlflow-server", f"PORT={port}", f"MLFLOW_STORE={store}", "MLFLOW_WORKERS=1"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     uri = f"http://127.0.0.1:{port}"
     try:

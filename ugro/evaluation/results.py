@@ -5,38 +5,18 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ugro.model.benchmarks import RESULTS, Row, change_text, markdown_table, read_rows, value_text
+
 if TYPE_CHECKING:
     from ugro.evaluation.runner import Evaluation
 
-RESULTS = "results.json"
 README = "README.md"
-
-
-@dataclass(frozen=True)
-class Row:
-    task: str
-    version: str
-    metric: str  # lm-eval's "metric,filter" key without a "none" filter
-    base: float
-    tuned: float
-    higher_is_better: bool | None
-    samples: int | None
-
-    @property
-    def change(self) -> float:
-        """The relative change from base to tuned (NaN where the base is 0 or a figure is missing)."""
-        return (self.tuned - self.base) / abs(self.base) if self.base and math.isfinite(self.base) else math.nan
-
-    @property
-    def better(self) -> bool | None:
-        if self.higher_is_better is None or self.tuned == self.base:
-            return None
-        return (self.tuned > self.base) == self.higher_is_better
+__all__ = ["README", "RESULTS", "Row", "change_text", "markdown_table", "read_rows", "rows", "value_text", "write"]
 
 
 def _figures(result: dict[str, Any], task: str) -> dict[str, float]:
@@ -62,25 +42,6 @@ def rows(base: dict[str, Any], tuned: dict[str, Any]) -> list[Row]:
                 out.append(Row(task, str((base.get("versions") or {}).get(task, "?")), metric, value, after[metric],
                                None if hib is None else bool(hib), samples.get("effective")))  # fmt: skip
     return out
-
-
-def value_text(x: float) -> str:
-    return f"{x:.4f}" if abs(x) < 1e4 else f"{x:.3e}"
-
-
-def change_text(row: Row) -> str:
-    if math.isnan(row.change):
-        return f"{row.tuned - row.base:+.4f}"
-    return f"{row.change:+.1%}"
-
-
-def markdown_table(table: list[Row]) -> str:
-    lines = ["| task | version | metric | base | tuned | change | documents |", "|---|---|---|---|---|---|---|"]
-    for r in table:
-        mark = "" if r.better is None else (" (better)" if r.better else " (worse)")
-        lines.append(f"| {r.task} | {r.version} | {r.metric} | {value_text(r.base)} | {value_text(r.tuned)} | "
-                     f"{change_text(r)}{mark} | {r.samples if r.samples is not None else ''} |")  # fmt: skip
-    return "\n".join(lines)
 
 
 def _record(evaluation: Evaluation, table: list[Row]) -> dict[str, Any]:
@@ -125,13 +86,3 @@ def write(evaluation: Evaluation) -> tuple[Path, list[Row]]:
     (out / RESULTS).write_text(json.dumps(record, indent=2, default=str, ensure_ascii=False) + "\n", encoding="utf-8")
     (out / README).write_text(_readme(record, table), encoding="utf-8")
     return out / RESULTS, table
-
-
-def read_rows(run_dir: Path) -> tuple[dict[str, Any], list[Row]] | None:
-    """The run's recorded evaluation (results.json) and its table, or None where there is none."""
-    path = run_dir / "eval" / RESULTS
-    if not path.is_file():
-        return None
-    record = json.loads(path.read_text(encoding="utf-8"))
-    keys = ("task", "version", "metric", "base", "tuned", "higher_is_better", "samples")
-    return record, [Row(**{k: r.get(k) for k in keys}) for r in record.get("comparison", [])]

@@ -435,7 +435,7 @@ def _eval_section(run_dir: Path, run: dict[str, Any]) -> str:
 
 def benchmarks_section(run_dir: Path) -> str:
     """`make eval`'s table (runs/<job-id>/eval/results.json), or "" where the run has not been evaluated."""
-    from ugro.evaluation.results import markdown_table, read_rows
+    from ugro.model.benchmarks import markdown_table, read_rows
 
     recorded = read_rows(run_dir)
     if recorded is None:
