@@ -40,15 +40,18 @@ class TaskDir:
         return list(self.names) if name == HELDOUT else [name]
 
 
+def _local_docs(data_files: str) -> dict[str, Any]:
+    """Where both held-out tasks read their documents: the run's own jsonl, through datasets' json loader."""
+    return {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": data_files}}, "test_split": "test"}
+
+
 def _perplexity_task(data_files: str) -> dict[str, Any]:
     def metric(name: str, aggregation: str) -> dict[str, Any]:
         return {"metric": name, "aggregation": aggregation, "higher_is_better": False}
 
     return {
         "task": HELDOUT,
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": data_files}},
-        "test_split": "test",
+        **_local_docs(data_files),
         "output_type": "loglikelihood",
         "doc_to_text": "{{prompt}}",
         "doc_to_target": "{{answer}}",
@@ -66,9 +69,7 @@ def _perplexity_task(data_files: str) -> dict[str, Any]:
 def _generation_task(data_files: str, max_new_tokens: int, stops: list[str]) -> dict[str, Any]:
     return {
         "task": HELDOUT_GEN,
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": data_files}},
-        "test_split": "test",
+        **_local_docs(data_files),
         "output_type": "generate_until",
         "doc_to_text": "{{prompt}}",
         "doc_to_target": "{{reference}}",
