@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import prometheus_client
+import psutil
 import pytest
 from helpers import REPO, free_port, unavailable
 
@@ -62,14 +64,63 @@ class Exporter:
         return len(os.listdir(f"/proc/{self.pid}/task"))
 
 
-def _start(runs: Path, state: Path, log: Path, user: tuple[int, int] | None = None) -> Exporter:
+@dataclass(frozen=True)
+class Installed:
+    """The exporter as provisioning leaves it for its service's user: a Python that user can run, the two files."""
+
+    python: str
+    exporter: Path
+    env: dict[str, str]
+
+
+def _as_user(user: tuple[int, int], argv: list[str]) -> list[str]:
+    """``argv`` as systemd's DynamicUser runs it: an unprivileged user and group of its own, no other groups."""
+    return ["setpriv", f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups", *argv]
+
+
+def _python_for(user: tuple[int, int]) -> str:
+    """A Python of this one's version that ``user`` can run. This venv's interpreter may lie where only root may
+    enter (a pyenv under /root, a checkout under a 0700 directory); the system's of the same version then serves."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    candidates = [os.path.realpath(getattr(sys, "_base_executable", sys.executable)),
+                  f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]  # fmt: skip
+    probe = f"import sys; assert sys.version_info[:2] == {sys.version_info[:2]!r}"
+    for python in dict.fromkeys(candidates):
+        ran = subprocess.run(_as_user(user, [python, "-I", "-c", probe]), capture_output=True, check=False)
+        if ran.returncode == 0:
+            return python
+    unavailable(f"no Python {version} that uid {user[0]} may run (tried {', '.join(dict.fromkeys(candidates))}): "
+                f"install python{version} from the distribution")  # fmt: skip
+
+
+def _install(top: Path, user: tuple[int, int]) -> Installed:
+    """Copy what the service's user runs to ``top`` (which the others may enter), as role exporter installs it:
+    the exporter and ugro_jobstate.py (0644 in a 0755 directory), and the two packages it imports from the node's
+    venv (prometheus_client, psutil). The checkout and its .venv may lie where only root may enter."""
+    install = top / "opt-ugro-exporter"
+    site = install / "site-packages"
+    site.mkdir(parents=True)
+    for name in ("ugro_exporter.py", "ugro_jobstate.py"):
+        shutil.copyfile(EXPORTER.parent / name, install / name)
+    for module in (prometheus_client, psutil):
+        package = Path(str(module.__file__)).parent
+        shutil.copytree(package, site / package.name, ignore=shutil.ignore_patterns("__pycache__", "tests"))
+    for path in [install, *install.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644 | (path.stat().st_mode & 0o111))
+    return Installed(_python_for(user), install / "ugro_exporter.py", {"PATH": os.defpath, "PYTHONPATH": str(site)})
+
+
+def _start(runs: Path, state: Path, log: Path, installed: Installed | None = None,
+           user: tuple[int, int] | None = None) -> Exporter:  # fmt: skip
     port = free_port()
-    argv = [sys.executable, str(EXPORTER), "serve", "--listen", "127.0.0.1", "--port", str(port), "--host", HOST,
+    python, exporter, env = (installed.python, installed.exporter, installed.env) if installed else (
+        sys.executable, EXPORTER, None)  # fmt: skip
+    argv = [python, str(exporter), "serve", "--listen", "127.0.0.1", "--port", str(port), "--host", HOST,
             "--runs-dir", str(runs), "--state-dir", str(state), "--controller", CONTROLLER]  # fmt: skip
-    if user is not None:  # as systemd's DynamicUser: an unprivileged user of its own
-        argv = ["setpriv", f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups", *argv]
+    if user is not None:
+        argv = _as_user(user, argv)
     with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 30
     while True:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
@@ -238,7 +289,7 @@ def test_as_systemd_runs_it_the_mark_is_set_and_read(tmp_path: Path) -> None:
         state = top / "ugro-exporter"  # as systemd creates RuntimeDirectory=: the dynamic user's, 0755
         state.mkdir(mode=0o755)
         os.chown(state, *dynamic)
-        running = _start(runs, state, top / "exporter.log", user=dynamic)
+        running = _start(runs, state, top / "exporter.log", _install(top, dynamic), user=dynamic)
         try:
             assert running.get(f"/job/{JOB}?main=1&follow=2").json()["follow"] == "recorded"
         finally:
