@@ -50,7 +50,7 @@ from train.metrics import read_metrics
 from train.model.load import load_model
 
 REPO = Path(__file__).resolve().parent.parent
-console = Console()
+console = Console(soft_wrap=True)
 app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0] if __doc__ else None)
 
 

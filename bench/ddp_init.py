@@ -41,7 +41,7 @@ from train.dist import distributed
 
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.11.0/24"  # its own subnet: runs beside `make test` and `make testbed-up`
-console = Console()
+console = Console(soft_wrap=True)
 app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0] if __doc__ else None)
 
 

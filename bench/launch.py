@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.10.0/24"  # its own: `make test`, `make testbed-up` and `make bench-recovery` use others
 NAME = "bench-launch"
 TOTAL = "total: make train -> first step"
-console = Console(width=170)
+console = Console(width=170, soft_wrap=True)
 
 
 def _launch(job_file: Path, cluster: Path, checks: bool) -> dict[str, Any]:

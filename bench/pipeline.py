@@ -62,7 +62,7 @@ from train.layout import stageplan
 from train.layout.topology import Layout
 
 TINY = REPO / "models" / "tiny-llama"
-console = Console(width=150)
+console = Console(width=150, soft_wrap=True)
 app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0] if __doc__ else None)
 
 

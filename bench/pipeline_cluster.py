@@ -41,7 +41,7 @@ from ugro.model import basemodel
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.10.0/24"  # its own: `make test`, `make testbed-up` and `make bench-recovery` use others
 PROFILE = "/opt/ugro-profile-bench.yaml"  # on each test host (its own /opt)
-console = Console(width=160)
+console = Console(width=160, soft_wrap=True)
 app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0] if __doc__ else None)
 
 

@@ -28,7 +28,7 @@ from train.metrics import read_eval, read_metrics
 from ugro.model import basemodel
 
 REPO = Path(__file__).resolve().parent.parent
-console = Console(width=160)
+console = Console(width=160, soft_wrap=True)
 VARIANTS = {
     "none-float32": {"quantization": "none", "dtype": "float32"},
     "none-bfloat16": {"quantization": "none", "dtype": "bfloat16"},

@@ -30,7 +30,7 @@ from bench.cluster_job import tiny_job
 from testbed.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-console = Console()
+console = Console(soft_wrap=True)
 app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0] if __doc__ else None)
 
 

@@ -24,8 +24,10 @@ from ugro.run.launch import Refused
 if TYPE_CHECKING:
     from ugro.checks.datafacts import Tokenized
 
-console = Console()
-err = Console(stderr=True)
+# soft_wrap: a line longer than the console stays whole (a terminal wraps it for the eye, a pipe or a log keeps it on
+# one line); rich would otherwise cut a path, a command or a key in the middle at its width (80 where not a terminal).
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 JobOpt = Annotated[Path, typer.Option("--job", help="job file (YAML)")]
 InventoryOpt = Annotated[Path, typer.Option("--inventory", "-i", help="Ansible inventory of the cluster")]
@@ -58,7 +60,7 @@ def refused(refusal: Refused) -> typer.Exit:
 
 def say(text: str) -> None:
     """A line with paths and commands to copy: never wrapped."""
-    console.print(text, highlight=False, soft_wrap=True)
+    console.print(text, highlight=False)
 
 
 def shown(path: Path) -> str:
@@ -75,7 +77,7 @@ def dim(text: str) -> None:
 
 def warn(line: str) -> None:
     """One warning line, taken as it is (no markup), never wrapped: a tracker that cannot be reached, say."""
-    err.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    err.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False)
 
 
 def checked(job_file: Path) -> tuple[JobConfig, jobcheck.DataSummary]:

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from ugro.module_utils import ugro_jobstate
 
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _run_state(run_dir: Path) -> dict[str, Any]:
