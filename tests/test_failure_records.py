@@ -20,6 +20,8 @@ import torch.distributed as dist
 from helpers import PYTHON, REPO, run_env, write_job
 
 from train.config import ConfigError
+from train.dist.comm import BrokenGroup
+from train.dist.health import GroupLost
 from train.recovery.failure import NonFiniteError, Stopped, kind_of
 from ugro.run import follow, recovery
 
@@ -136,6 +138,11 @@ def test_a_rank_waiting_in_a_collective_turns_a_stop_into_its_record_at_once(tmp
         (dist.DistBackendError("NCCL communicator was aborted"), "collective"),
         (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"), "collective"),
         (RuntimeError("Timed out waiting 5000ms for recv operation to complete"), "collective"),
+        # The group declared broken (a peer the heartbeat lost, a membership that left this host out): a consequence of
+        # another host's fault, never the root cause the controller names (ugro/run/recovery.py root_cause).
+        (GroupLost("tb1 stopped answering the heartbeat"), "collective"),
+        (GroupLost("no regroup store is known for the new main host tb3"), "collective"),
+        (BrokenGroup("the group was declared broken"), "collective"),
         (ConfigError("jobs/x.yaml, line 3: key 'lr' must be > 0"), "config"),
         (NonFiniteError("step 4: loss=nan"), "non_finite"),
         (Stopped("SIGTERM received"), "stopped"),

@@ -201,6 +201,34 @@ def test_a_lost_host_is_a_fault_with_its_cause_the_hosts_gone_and_the_main_hosts
     assert "failure: lost on h3" in out.getvalue()
 
 
+def test_a_host_slow_to_answer_one_poll_is_not_left_out_with_a_lost_one(tmp_path: Path) -> None:
+    """On a loaded controller a host that misses one poll (its answer came late) is not gone: where another host's job
+    vanished, only that host is left out, and the one that missed a poll stays in the group. (Dropped with it, the main
+    host h1 trained no more, and a later fault of its own had nothing to name.)"""
+    supervisor, _ = _supervisor(tmp_path)
+    supervisor.polls = [{h: dict(WORKING) for h in HOSTS}, {"h1": {"state": "unreachable", "error": "timed out"},
+                                                            "h2": dict(WORKING), "h3": {"state": "lost"}}]  # fmt: skip
+    loop = Loop(list(HOSTS), "h1", state=State.FOLLOWING)
+    assert supervisor.following(loop) is State.REGROUPING
+    assert loop.fault is not None and (loop.fault.cause.kind, loop.fault.cause.host, loop.fault.gone) == (
+        "lost", "h3", ["h3"])  # fmt: skip
+    # A host silent on the last poll is the fault where nothing else explains it (a cut link hangs its SSH session
+    # while the others' collectives fail), and so is one its peers cannot reach either.
+    alone, _ = _supervisor(tmp_path / "alone")
+    failed = dict(WORKING, state="failed", pids={"launcher": 10})
+    alone.polls = [{h: dict(WORKING) for h in HOSTS}, {"h1": {"state": "unreachable"}, "h2": failed, "h3": failed}]
+    loop = Loop(list(HOSTS), "h1", state=State.FOLLOWING)
+    assert alone.following(loop) is State.REGROUPING
+    assert loop.fault is not None and loop.fault.gone == ["h1"] and loop.fault.cause.host == "h1", loop.fault
+    vouched, _ = _supervisor(tmp_path / "vouched")
+    peers = dict(WORKING, silent_peers=["h1"])
+    gone: Statuses = {"h1": {"state": "unreachable"}, "h2": peers, "h3": {"state": "lost"}}
+    vouched.polls = [{h: dict(WORKING) for h in HOSTS}, gone]
+    loop = Loop(list(HOSTS), "h1", state=State.FOLLOWING)
+    assert vouched.following(loop) is State.REGROUPING
+    assert loop.fault is not None and loop.fault.gone == ["h1", "h3"], loop.fault
+
+
 def test_regroups_the_ranks_agreed_on_themselves_are_adopted_and_followed(tmp_path: Path) -> None:
     supervisor, out = _supervisor(tmp_path)
     agreed = {"attempt": 0, "generation": 1, "hosts": ["h1", "h3"], "main": "h1", "from_step": 9, "time": 5.0}

@@ -44,8 +44,8 @@ def collective_error(exc: BaseException) -> bool:
     """Whether ``exc`` is a failed collective (a peer reset the connection, a communicator aborted, a timeout)."""
     if isinstance(exc, torch.OutOfMemoryError):
         return False
-    if isinstance(exc, dist.DistError | TimeoutError | ConnectionError):
-        return True
+    if isinstance(exc, dist.DistError | TimeoutError | ConnectionError | GroupLost | comm.BrokenGroup):
+        return True  # the last two: the group declared broken (a peer lost, a membership without this host)
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(word in text for word in COLLECTIVE_WORDS)
 

@@ -44,10 +44,19 @@ class Watch:
     def unreachable(self, polls: int = UNREACHABLE_POLLS) -> list[str]:
         """Hosts that did not answer the last ``polls`` polls, or the last one where their peers cannot reach them
         either (train/recovery/watch.py Heartbeat). A fault is declared on two silent polls, or on one its peers
-        confirm; once there is one, a host silent on the last poll counts as gone (a cut link hangs its SSH session
-        while the hosts that talk to it fail with collective errors)."""
+        confirm."""
         silent = self.silent
         return [h for h in self.hosts if silent.get(h, 0) >= polls or (silent.get(h, 0) and h in self.vouched)]
+
+    def gone_at_fault(self, statuses: Statuses) -> list[str]:
+        """Once a fault is declared, the hosts that stopped answering: those ``unreachable`` names, and a host silent on
+        the last poll alone only where nothing else explains the fault (a cut link hangs its SSH session while the
+        hosts that talk to it fail with collective errors). Where another host's job vanished or stopped answering, a
+        host that missed one poll was slow to answer (a loaded controller or host), and stays in the group."""
+        sure = self.unreachable()
+        if sure or any(statuses.get(h, {}).get("state") in ("lost", "absent") for h in self.hosts):
+            return sure
+        return self.unreachable(polls=1)
 
     def verdict(self, statuses: Statuses) -> str:
         """running / finished / stopped (someone ran `make stop`) / fault (a host or rank failed or is gone)."""

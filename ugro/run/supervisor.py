@@ -389,7 +389,7 @@ class Supervisor:
             loop.outcome = Outcome(verdict, statuses, loop.hosts, loop.main, restarts=self.restarts,
                                    copy_failures=self.copy_failures)  # fmt: skip
             return State.FINISHED
-        unreachable = watch.unreachable(polls=1)
+        unreachable = watch.gone_at_fault(statuses)
         cause = recovery.root_cause(statuses, loop.hosts, unreachable) or Cause(
             "error", "a host failed without a recorded cause", loop.hosts[0]
         )
