@@ -154,10 +154,21 @@ def test_make_k8s_manifest(make: Run, tmp_path: Path) -> None:
     assert "kind: Job" in (tmp_path / "job.yaml").read_text()
 
 
-def test_make_prometheus_config(make: Run, tmp_path: Path) -> None:
-    out = _clean(make("prometheus-config", f"OUT={tmp_path / 'prometheus.yml'}"))
-    config = (tmp_path / "prometheus.yml").read_text()
-    assert "scrape_configs" in config and "scrape configuration" in out
+def test_make_prometheus_config(tmp_path: Path) -> None:
+    """The paths it prints are whole on their lines however long the checkout's path (output not a terminal: the
+    console must not wrap them), and so is the path in an error naming a file."""
+    checkout = copy_checkout(tmp_path / "a-checkout-in-a-directory-with-a-long-name-as-people-make" / "ugro")
+    out_file = checkout / "runs" / "monitoring" / "prometheus.yml"
+    out = _clean(plain_make("prometheus-config", f"OUT={out_file}", cwd=checkout, timeout=300))
+    assert "scrape_configs" in out_file.read_text()
+    said = next(line for line in out.splitlines() if "scrape configuration" in line)
+    assert said.startswith(f"{out_file}: ") and f"--config.file={out_file})" in said, out
+    assert str(checkout / "ugro" / "monitoring" / "grafana-dashboard.json") in said, out
+    missing = checkout / "inventory" / "not-there.yml"
+    refused = plain_make("prometheus-config", f"INVENTORY={missing}", f"OUT={out_file}", cwd=checkout, timeout=300)
+    error = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "Traceback" not in error, error
+    assert any(str(missing) in line for line in error.splitlines()), error
 
 
 def test_make_test_fast(make: Run) -> None:
@@ -211,6 +222,9 @@ def test_make_bench_recovery(make: Run, netns: Any) -> None:
         assert isinstance(figures[key], float) and figures[key] >= 0, figures  # a step under way may end at once
     assert figures["kill_steps_redone"] == 0 and figures["cut_steps_redone"] == 0, figures
     assert figures["kill_decided_by"] == "controller" and figures["launch_cpu_s"] > 0, figures
+    # Each fault is the restart the run's record names it by (make doctor reads the same), also on a loaded machine.
+    assert re.match(r"restart \d+: lost on tb2: ", figures["kill_recorded_as"]), figures
+    assert re.match(r"restart \d+: unreachable on tb1: .* -> regrouped on tb3 ", figures["cut_recorded_as"]), figures
     assert "SIGKILL of tb2's job -> next step on tb1 + tb3" in out and "the first launch's phases (s): {" in out
     assert re.search(r"final hosts \['tb\d'(, 'tb\d')*\], main host tb\d", out), out[-3000:]
 
