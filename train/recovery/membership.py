@@ -295,6 +295,10 @@ class Membership:
         if self.watcher is not None:
             self.watcher.joined(group)
         self.health.renewed()
+        # A step the change broke off left its gradients (this rank's own, not reduced, scaled for the old group): the
+        # step is taken again from none, as after an update. Kept, the new DDP wrapper would copy them into its
+        # buckets (gradient_as_bucket_view) and the step's backward would add to them on every survivor alike.
+        training.optimizer.zero_grad(set_to_none=True)
         target, source, behind = agree_step(done)
         if behind:
             share_state(training.optimizer, training.scheduler, source)

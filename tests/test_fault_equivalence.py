@@ -1,0 +1,126 @@
+"""After a lost host, the survivors' next update is the one a fault-free run of the same group takes from the same
+state: nothing of the broken step is left in it.
+
+The broken run: three "hosts" on this machine (the hosts' launcher, one rank each, told apart by UGRO_HOST, over
+loopback, no controller); h3 is SIGKILLed, launcher and rank, at an exact point of step 3
+(tests/fixtures/faulty_worker.py), and h1 and h2 go on by themselves (train/recovery/consensus.py) to the run's end.
+The fault-free reference: the same job on all three hosts without a fault up to the last step the survivors applied
+together with h3, then on h1 and h2 alone, resumed from that step's checkpoint. Each of the survivors' updates after
+the fault (their checkpoints) must equal the reference's within float rounding. Survivors compared with each other
+agree even where all are wrong: a broken step's gradients added to the step taken again, on every survivor alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from helpers import free_port, host_launcher, write_job
+
+pytestmark = pytest.mark.usefixtures("torchrun")
+
+FAULT_STEP = 3
+# Where h3 dies in step 3, and the last step every survivor had applied with it: inside the gradient all-reduce
+# (no rank applied step 3: it is taken again in the new group), or in its optimizer step (the others applied step 3;
+# they find h3 gone in step 4's collectives and take step 4 again).
+POINTS = {"allreduce": FAULT_STEP - 1, "optimizer": FAULT_STEP}
+LAST_STEP = FAULT_STEP + 1
+
+
+def _job(path: Path) -> Path:
+    return write_job(path, train={"max_steps": LAST_STEP, "global_batch_size": 8, "log_every": 1, "seed": 7},
+                     lora={"dropout": 0.0}, schedule={"warmup_steps": 1}, distributed={"timeout_s": 60}, eval=None,
+                     checkpoint={"every": 1, "keep_last": LAST_STEP})  # fmt: skip
+
+
+def _pids(run_dir: Path, hosts: tuple[str, ...]) -> list[int]:
+    return [int(p.read_text().split()[0]) for h in hosts for p in (run_dir / "hosts" / h).glob("worker-rank*.pid")]
+
+
+def _train(hosts: tuple[str, ...], job: Path, run_dir: Path, logs: Path, faults: str = "",
+           resume: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One launcher per host (the launch script's, h1 the main host), each with one rank of the faulty worker; until
+    the main rank records the run finished and every rank has ended. A survivor's launcher waits at torchrun's exit
+    barrier for a lost host's, so the test ends them. Returns run.json."""
+    port = free_port()
+    for host in hosts:
+        (run_dir / "hosts" / host).mkdir(parents=True, exist_ok=True)
+    extra = ("--resume", "auto" if resume else "none")
+    agents = {h: host_launcher(hosts, h, port, job, run_dir, logs / f"{run_dir.name}-{h}.log",
+                               {"UGRO_TEST_DIE": faults}, extra) for h in hosts}  # fmt: skip
+    record: dict[str, Any] = {}
+    try:
+        deadline = time.monotonic() + 300
+        main_log = logs / f"{run_dir.name}-h1.log"
+        while record.get("state") != "finished" or any(psutil.pid_exists(pid) for pid in _pids(run_dir, hosts)):
+            assert agents["h1"].poll() in (None, 0), main_log.read_text()[-3000:]
+            assert time.monotonic() < deadline, main_log.read_text()[-3000:]
+            time.sleep(0.2)
+            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+                record = json.loads((run_dir / "run.json").read_text())
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    return record
+
+
+def _trainable(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    state = torch.load(run_dir / "checkpoints" / f"step-{step:06d}" / "state.pt", map_location="cpu",
+                       weights_only=True)  # fmt: skip
+    return {name: tensor.double() for name, tensor in state["trainable"].items()}
+
+
+def _norm(tensors: dict[str, torch.Tensor]) -> float:
+    return float(sum(t.square().sum() for t in tensors.values()) ** 0.5)
+
+
+def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """|a - b| over every trainable tensor, relative to |b|."""
+    assert a.keys() == b.keys()
+    return _norm({k: a[k] - b[k] for k in a}) / _norm(b)
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job on h1, h2 and h3 without a fault (a checkpoint after every step)."""
+    tmp = tmp_path_factory.mktemp("unbroken")
+    record = _train(("h1", "h2", "h3"), _job(tmp / "job.yaml"), tmp / "run", tmp)
+    assert record["state"] == "finished", record
+    return tmp / "run"
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+def test_the_survivors_next_update_is_the_fault_free_groups(tmp_path: Path, unbroken: Path, point: str) -> None:
+    job = _job(tmp_path / "job.yaml")
+    broken = tmp_path / "broken"
+    record = _train(("h1", "h2", "h3"), job, broken, tmp_path, faults=f"h3:{point}:{FAULT_STEP}:host")
+    history = [(r["hosts"], r["decided_by"], r["from_step"]) for r in record["regroups"]]
+    together = POINTS[point]  # the last step all three applied
+    assert history == [(["h1", "h2"], "survivors", together)], record
+
+    reference = tmp_path / "reference"
+    shutil.copytree(unbroken / "checkpoints" / f"step-{together:06d}",
+                    reference / "checkpoints" / f"step-{together:06d}")  # fmt: skip
+    resumed = _train(("h1", "h2"), job, reference, tmp_path, resume=True)
+    assert resumed["state"] == "finished", resumed
+
+    start = _trainable(unbroken, together)
+    if (broken / "checkpoints" / f"step-{together:06d}").is_dir():  # not where the fault broke its checkpoint off
+        assert _distance(_trainable(broken, together), start) == 0, "the broken run differs before its fault"
+    for step in range(together + 1, LAST_STEP + 1):
+        expected, got = _trainable(reference, step), _trainable(broken, step)
+        update = _norm({k: expected[k] - start[k] for k in start})
+        # fp32 rounding of sums in another order: far below a millionth of the weights, a thousandth of the update.
+        assert _distance(got, expected) <= 1e-6, (step, _distance(got, expected))
+        assert _norm({k: got[k] - expected[k] for k in start}) <= 1e-3 * update, (step, update)
