@@ -15,8 +15,8 @@ fits inside every device time and the emulated speeds hold however busy the mach
 * balanced -- the 3 ranks with ``balance: auto`` (calibration, then measured shares).
 
 Part 2 compares the trainer's tokens/s on one rank at full speed, no emulation, with a bare
-hand-written loop (forward, backward, AdamW) on the same model, data and batch shape, in one
-process: ``--pairs`` runs of each, in A-B-B-A order so that a machine getting slower or faster
+hand-written loop (forward, backward, AdamW) on the same model, data and batch shape, on one thread
+of the benchmark's own process: ``--pairs`` runs of each, in A-B-B-A order so that a machine getting slower or faster
 during the benchmark hits both alike.
 
 Throughput counts only the steps after ``--skip`` (start-up, warm-up and calibration excluded,
@@ -137,16 +137,11 @@ def _alone(setup: Setup, root: Path) -> list[float]:
 
 
 def _bare(setup: Setup, root: Path) -> float:
-    """The bare loop in its own process (same thread count as a rank); its sequences/s."""
+    """The bare loop, in this process on one thread (as a rank); its sequences/s."""
     job_file = root / "bare.yaml"
     job_file.write_text(yaml.safe_dump(_job(setup, "equal", (1.0,)), sort_keys=False))
-    cmd = [sys.executable, "-m", "bench.bench", "bare", str(job_file), "--steps", str(setup.steps)]
-    cmd += ["--skip", str(setup.skip)]
-    with console.status("bare loop: 1 process, the same model and batches, no trainer"):
-        done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        _fail("bare loop", job_file, done.stdout + done.stderr)
-    return float(json.loads(done.stdout.strip().splitlines()[-1])["sequences_per_s"])
+    with console.status("bare loop: the same model and batches, no trainer, one thread"):
+        return bare_loop(job_file, setup.steps, setup.skip)
 
 
 def _trainer(setup: Setup, root: Path) -> float:
@@ -154,30 +149,41 @@ def _trainer(setup: Setup, root: Path) -> float:
     return _train("trainer", replace(setup, seconds_per_token=0.0), "equal", (1.0,), root)
 
 
-@app.command("bare", hidden=True)
-def bare(job_file: Path, steps: int = 20, skip: int = 4) -> None:
-    """A hand-written loop: forward, backward, AdamW. Prints its sequences/s as JSON."""
-    torch.manual_seed(0)
-    job = load_job(job_file, benchmark=True)
-    model, tokenizer, _ = load_model(job, REPO, torch.device("cpu"))
-    blocks = prepare(job.data, tokenizer, REPO, job.train.seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=job.optim.lr)
-    batch, micro = job.train.global_batch_size, job.rank_local.micro_batch_size
-    order = torch.randperm(len(blocks))
-    model.train()
-    started = 0.0
-    for step in range(steps):
-        if step == skip:
-            started = time.perf_counter()
-        ids = order[torch.arange(step * batch, (step + 1) * batch) % len(blocks)]
-        for chunk in ids.split(micro):
-            rows = blocks.batch(chunk.tolist(), torch.device("cpu"))
-            out = model(**model_inputs(rows), labels=rows["labels"])
-            (out.loss * len(chunk) / batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    print(json.dumps({"sequences_per_s": batch * (steps - skip) / (time.perf_counter() - started)}))
+def bare_loop(job_file: Path, steps: int, skip: int) -> float:
+    """A hand-written loop on one thread: forward, backward, AdamW, on the job's model and batches; its sequences/s
+    over the steps after ``skip``. Run in the benchmark's own process (which trains nothing else meanwhile): a
+    process of its own would import torch, transformers and peft again for each measurement."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        job = load_job(job_file, benchmark=True)
+        model, tokenizer, _ = load_model(job, REPO, torch.device("cpu"))
+        blocks = prepare(job.data, tokenizer, REPO, job.train.seed)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=job.optim.lr)
+        batch, micro = job.train.global_batch_size, job.rank_local.micro_batch_size
+        order = torch.randperm(len(blocks))
+        model.train()
+        started = 0.0
+        for step in range(steps):
+            if step == skip:
+                started = time.perf_counter()
+            ids = order[torch.arange(step * batch, (step + 1) * batch) % len(blocks)]
+            for chunk in ids.split(micro):
+                rows = blocks.batch(chunk.tolist(), torch.device("cpu"))
+                out = model(**model_inputs(rows), labels=rows["labels"])
+                (out.loss * len(chunk) / batch).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return batch * (steps - skip) / (time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@app.callback()
+def commands() -> None:
+    """`make bench` runs ``run``."""  # a callback keeps ``run`` a subcommand: typer folds a lone command into the app
 
 
 @app.command("run")

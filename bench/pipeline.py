@@ -55,7 +55,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from bench.bench import REPO, Setup, _env, _fail, _job, _rate
+from bench.bench import REPO, Setup, _env, _job, _rate, bare_loop
 from testbed.net import free_port
 from train.config import load_job
 from train.layout import stageplan
@@ -93,15 +93,10 @@ def _write(job: dict[str, Any], path: Path) -> Path:
 
 
 def _calibrate(setup: Setup, model: Path, out: Path) -> float:
-    """The bare loop of bench/bench.py on this model, one process and one thread: sequences/s of one core."""
+    """The bare loop of bench/bench.py on this model, on one thread of this process: sequences/s of one core."""
     job_file = _write(_pipeline_job(setup, model, None, (1.0,)), out / "calibration.yaml")
-    steps = max(setup.skip + 3, 8)
-    argv = [sys.executable, "-m", "bench.bench", "bare", str(job_file), "--steps", str(steps), "--skip", "3"]
     with console.status("bare loop: this machine's speed on one core (the emulated speed-1.0 device follows it)"):
-        done = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        _fail("calibration (bare loop)", job_file, done.stdout + done.stderr)
-    return float(json.loads(done.stdout.strip().splitlines()[-1])["sequences_per_s"])
+        return bare_loop(job_file, max(setup.skip + 3, 8), 3)
 
 
 def planned_split(setup: Setup, model: Path, speeds: tuple[float, ...], out: Path) -> tuple[list[int], list[float]]:
@@ -154,7 +149,8 @@ def _launch(name: str, job: dict[str, Any], ranks: int, out: Path) -> subprocess
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)  # the worker appends to what it finds
     job_file = _write(job, out / f"{name}.yaml")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--nnodes=1"]
+    # The hosts' launcher (train/launcher.py): torchrun, its ranks forked from one process that imported torch.
+    torchrun = [sys.executable, "-m", "train.launcher", f"--nproc-per-node={ranks}", "--nnodes=1"]
     torchrun += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0"]
     worker = ["-m", "train.worker", "--job", str(job_file), "--run-dir", str(run_dir), "--code-dir", str(REPO)]
     return subprocess.Popen(
