@@ -13,6 +13,7 @@ INVENTORY ?= inventory/local.yml
 RESUME    ?= none
 JOB_ID    ?=
 PYTEST_ARGS ?=
+TESTS     ?= tests
 BENCH_ARGS ?=
 
 .PHONY: role-docs export chat train preflight doctor status logs stop release lend follow validate plan test test-fast bench bench-ddp-init lint typecheck venv lock clean help testbed-up testbed-down molecule provision dashboard prometheus-config bench-exporter bench-recovery bench-launch bench-rank-start bench-4bit bench-headloss bench-pipeline bench-pipeline-cluster mlflow-venv mlflow-server eval
@@ -202,7 +203,7 @@ FAST_TESTS := not (cluster or torchrun or ansible or slurm or slow)
 test-fast: venv
 	$(VENV)/bin/ruff check $(PY_DIRS)
 	$(VENV)/bin/ruff format --check $(PY_DIRS)
-	$(PY) -m pytest -m "$(FAST_TESTS)" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -m "$(FAST_TESTS)" $(PYTEST_ARGS) $(TESTS)
 
 # Every role's Molecule scenario (converge, idempotence, verify) on rootfs test hosts (root);
 # SCENARIO=<role> runs one. The first run debootstraps the test hosts' Debian 12 (~3 min, cached).
