@@ -242,8 +242,8 @@ def _drive(bed: Any, cluster: Path, job_file: Path, controller: str, fault: str)
                 raise SystemExit("no step on tb1 and tb3 within 120 s of tb2's kill, with no controller")
             time.sleep(0.1)
         proc = _controller(["follow", "--job-id", job_id])
-    _wait_step(bed, 25, proc)
-    while not any(r["time"] > killed and r["step"] >= 27 for r in _rows(bed, job_id)):
+    _wait_step(bed, 17, proc)
+    while not any(r["time"] > killed and r["step"] >= 19 for r in _rows(bed, job_id)):
         time.sleep(0.1)
     # One fault at a time: tb2's rank back in the group and two steps done with it before tb1's cut.
     back_from = at.lent if fault == "lend" else killed  # lent: tb2 trained on until it left after the release
@@ -356,8 +356,8 @@ def main(
         # Detached, the controller is waited out for three polls and 10 s before tb2's kill; `ugro release` and
         # `ugro lend` run playbooks: the run must outlast them.
         long = controller == "gone" or fault == "lend"
-        # The cut comes after step 27: 33 steps more leave room for this process to be late on a loaded machine.
-        train = {"max_steps": 400 if long else 60, "global_batch_size": 6, "log_every": 10}
+        # The cut comes after step 19: 31 steps more leave room for this process to be late on a loaded machine.
+        train = {"max_steps": 400 if long else 50, "global_batch_size": 6, "log_every": 10}
         job = tiny_job(NAME, train=train, checkpoint={"every": 5, "keep_last": 3},
                        distributed={"timeout_s": 20, "rejoins": rejoins})  # fmt: skip
         job_file = jobs.enter_context(job)
