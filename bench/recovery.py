@@ -195,6 +195,7 @@ class Result:
     fault: str
     kill_to_back_in_s: float | None
     rejoins: int
+    collectives: str | None  # the ranks' backend, as the run recorded it (run.json)
     release_to_freed_s: float | None = None  # --fault lend: `ugro release tb2` -> tb2's ranks gone
     lend_to_first_step_s: float | None = None  # `ugro lend tb2` -> the first step with tb2 back in
 
@@ -346,7 +347,9 @@ def main(
     tb = testbed_cluster
     directory = Path(tempfile.mkdtemp(prefix="ugro-bench-recovery-"))
     jobs = contextlib.ExitStack()
-    bed = tb.up(directory, hosts=3, subnet=SUBNET)
+    # Every rank on the test backend that completes, orders and fails as NCCL does (train/dist/nccl_like.py): a lost
+    # peer hangs a collective until the watchdog's timeout, as it would between GPUs, where plain gloo fails it at once.
+    bed = tb.up(directory, hosts=3, subnet=SUBNET, session_env={"UGRO_NCCL_LIKE": "1"})
     jobs.callback(tb.down, directory)  # the last to go, whatever else fails on the way out
     with jobs:
         cluster = tb.one_rank_per_host(bed, directory / "cluster.yml")
@@ -386,6 +389,7 @@ def main(
             controller=controller, kill_decided_by=kill.restart.decided_by if kill.restart else None, fault=fault,
             kill_recorded_as=kill.recorded, cut_recorded_as=cut.recorded,
             kill_to_back_in_s=round(back, 1) if back is not None else None, rejoins=rejoins,
+            collectives=json.loads((run_dir / "run.json").read_text()).get("collectives"),
             release_to_freed_s=round(lent[0], 1) if lent else None,
             lend_to_first_step_s=round(lent[1], 1) if lent else None,
         )  # fmt: skip

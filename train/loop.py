@@ -183,6 +183,7 @@ class Rank:
         job, info = self.job, self.info
         write_status(
             self.run_dir, state="running", step=first, total_steps=job.train.max_steps, backend=self.trainer.backend,
+            collectives=distributed.collectives_backend(),  # what carried them: nccl, gloo, or the tests' NCCL-like
             world_size=info.world_size, plan=self.balancer.plan.to_dict(), layout=self.layout.to_dict(),
             error=None, cause=None,  # a relaunch after a failure starts clean
             records_moved_to=None,  # this host keeps them (again)

@@ -95,6 +95,12 @@ def cpu_backend() -> str:
     return nccl_like.install() or "gloo"
 
 
+def collectives_backend() -> str | None:
+    """The default group's backend as torch names it (nccl, gloo, or the tests' ugro_nccl_like); None in a
+    one-process run without a group."""
+    return str(dist.get_backend()) if dist.is_initialized() else None
+
+
 def _roll_call(
     host: str, rank: int, local_rank: int, world: int, server: StoreServer | None
 ) -> tuple[int, tuple[str, ...], tuple[tuple[str, str], ...]]:
