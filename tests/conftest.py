@@ -67,7 +67,7 @@ USES: dict[str, tuple[str, ...]] = {
 # files' tests run with the cluster's, so that both processes take about as long (docs/results.md "CI time"). Whole
 # files, so that a module's fixtures are built once; only tests whose ranks take a free port (torchrun, spawn),
 # never `make train`'s default port 29500 on this machine, which the other process's tests use.
-WITH_CLUSTER = frozenset({"test_real_model.py", "test_datasets.py"})
+WITH_CLUSTER = frozenset({"test_real_model.py", "test_datasets.py", "test_fault_equivalence.py"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,17 @@ POINTS = {"allreduce": FAULT_STEP - 1, "optimizer": FAULT_STEP}
 LAST_STEP = FAULT_STEP + 1
 
 
-def _job(path: Path) -> Path:
-    return write_job(path, train={"max_steps": LAST_STEP, "global_batch_size": 8, "log_every": 1, "seed": 7},
-                     lora={"dropout": 0.0}, schedule={"warmup_steps": 1}, distributed={"timeout_s": 60}, eval=None,
-                     checkpoint={"every": 1, "keep_last": LAST_STEP})  # fmt: skip
+# A preference job (DPO) over unequal shares of pairs: its state is the adapter and optimizer as SFT's, each rank's
+# reference log-probabilities its own (train/preference/reference.py).
+PAIRS = {"source": "data/preference/train.jsonl", "format": "preference", "packing": False, "seq_len": 96}
+METHODS: dict[str, dict[str, Any]] = {"sft": {}, "dpo": {"data": PAIRS, "rank_local": {"micro_batch_size": 2}}}
+
+
+def _job(path: Path, method: str) -> Path:
+    train = {"max_steps": LAST_STEP, "global_batch_size": 8, "log_every": 1, "seed": 7, "method": method}
+    return write_job(path, train=train, lora={"dropout": 0.0}, schedule={"warmup_steps": 1}, eval=None,
+                     distributed={"timeout_s": 60}, checkpoint={"every": 1, "keep_last": LAST_STEP},
+                     **METHODS[method])  # fmt: skip
 
 
 def _pids(run_dir: Path, hosts: tuple[str, ...]) -> list[int]:
@@ -92,30 +100,40 @@ def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.fixture(scope="module")
-def unbroken(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The job on h1, h2 and h3 without a fault (a checkpoint after every step)."""
-    tmp = tmp_path_factory.mktemp("unbroken")
-    record = _train(("h1", "h2", "h3"), _job(tmp / "job.yaml"), tmp / "run", tmp)
-    assert record["state"] == "finished", record
-    return tmp / "run"
+def unbroken(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The job of a method on h1, h2 and h3 without a fault (a checkpoint after every step), once per method."""
+    runs: dict[str, Path] = {}
+
+    def run(method: str) -> Path:
+        if method not in runs:
+            tmp = tmp_path_factory.mktemp(f"unbroken-{method}")
+            record = _train(("h1", "h2", "h3"), _job(tmp / "job.yaml", method), tmp / "run", tmp)
+            assert record["state"] == "finished", record
+            runs[method] = tmp / "run"
+        return runs[method]
+
+    return run
 
 
-@pytest.mark.parametrize("point", list(POINTS))
-def test_the_survivors_next_update_is_the_fault_free_groups(tmp_path: Path, unbroken: Path, point: str) -> None:
-    job = _job(tmp_path / "job.yaml")
+@pytest.mark.parametrize(("point", "method"), [("allreduce", "sft"), ("optimizer", "sft"), ("allreduce", "dpo")])
+def test_the_survivors_next_update_is_the_fault_free_groups(
+    tmp_path: Path, unbroken: Callable[[str], Path], point: str, method: str
+) -> None:
+    job = _job(tmp_path / "job.yaml", method)
     broken = tmp_path / "broken"
     record = _train(("h1", "h2", "h3"), job, broken, tmp_path, faults=f"h3:{point}:{FAULT_STEP}:host")
     history = [(r["hosts"], r["decided_by"], r["from_step"]) for r in record["regroups"]]
     together = POINTS[point]  # the last step all three applied
     assert history == [(["h1", "h2"], "survivors", together)], record
 
+    fault_free = unbroken(method)
     reference = tmp_path / "reference"
-    shutil.copytree(unbroken / "checkpoints" / f"step-{together:06d}",
+    shutil.copytree(fault_free / "checkpoints" / f"step-{together:06d}",
                     reference / "checkpoints" / f"step-{together:06d}")  # fmt: skip
     resumed = _train(("h1", "h2"), job, reference, tmp_path, resume=True)
     assert resumed["state"] == "finished", resumed
 
-    start = _trainable(unbroken, together)
+    start = _trainable(fault_free, together)
     if (broken / "checkpoints" / f"step-{together:06d}").is_dir():  # not where the fault broke its checkpoint off
         assert _distance(_trainable(broken, together), start) == 0, "the broken run differs before its fault"
     for step in range(together + 1, LAST_STEP + 1):
