@@ -54,9 +54,7 @@ class Watch:
         hosts that talk to it fail with collective errors). Where another host's job vanished or stopped answering, a
         host that missed one poll was slow to answer (a loaded controller or host), and stays in the group."""
         sure = self.unreachable()
-        if sure or any(statuses.get(h, {}).get("state") in ("lost", "absent") for h in self.hosts):
-            return sure
-        return self.unreachable(polls=1)
+        return sure if blamed(statuses, self.hosts, sure) else self.unreachable(polls=1)
 
     def verdict(self, statuses: Statuses) -> str:
         """running / finished / stopped (someone ran `make stop`) / fault (a host or rank failed or is gone)."""
