@@ -15,6 +15,9 @@ Run on a machine with an NVIDIA GPU and the job's Python (torch with CUDA, trans
   of Qwen2.5-1.5B in 16 and 4 bits with both backends, Llama-3-8B in 4 bits at micro-batch 1 against the stage
   planner's estimate (``UGRO_GPU_CELLS=0,3`` runs those cells only);
 - ``packing``: examples packed into one row see only themselves, on CUDA, with both backends;
+- ``multirank``: several ranks' semantics on one GPU (bench/gpu_multirank.py): an NCCL group of one for the stream
+  order, the recorded error and a grouped abort, ugro's DDP hook on a CUDA model, three ranks over gloo with CUDA
+  tensors; without CUDA its dry form on CPU, which says what the GPU parts would show;
 - ``probe``: the preflight's memory probe (train/tools/memprobe.py, 5 steps) of Qwen2.5-14B's architecture in
   4-bit QLoRA under the reference cluster's memory caps (``torch.cuda.set_per_process_memory_fraction``).
 
@@ -35,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from bench import gpu_compare
+from bench import gpu_compare, gpu_multirank
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM = "models/configs/smollm2-135m-instruct"
@@ -284,6 +287,9 @@ def main() -> int:
     for part in parts:
         if part in ("compare", "packing"):
             getattr(gpu_compare, part)(out, _emit, materialize)
+            continue
+        if part == "multirank":
+            gpu_multirank.multirank(out, _emit)
             continue
         {"env": env, "train": train, "probe": probe, "profiles": profiles, "exporter": exporter}[part](out)
     return 0

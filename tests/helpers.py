@@ -236,15 +236,15 @@ def make(
 
 
 def host_launcher(hosts: tuple[str, ...], host: str, port: int, job: Path, run_dir: Path, log: Path,
-                  env: dict[str, str], extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:  # fmt: skip
+                  env: dict[str, str], extra: tuple[str, ...] = (), nproc: int = 1) -> subprocess.Popen[bytes]:  # fmt: skip
     """One "host" of a multi-host run on this machine: a real launcher (train/launcher.py, torchrun with the static
-    rendezvous, as the launch script runs it) with one rank of tests/fixtures/faulty_worker.py, told apart by
-    UGRO_HOST, the first of ``hosts`` the main one, gloo over loopback; ``env`` added (the fixture's faults),
-    ``extra`` the worker's further arguments (``--resume auto``)."""
+    rendezvous, as the launch script runs it) with ``nproc`` ranks of tests/fixtures/faulty_worker.py, told apart by
+    UGRO_HOST, the first of ``hosts`` the main one, over loopback; ``env`` added (the fixture's faults), ``extra`` the
+    worker's further arguments (``--resume auto``)."""
     full = run_env() | {"UGRO_HOST": host, "UGRO_MAIN_HOST": "1" if host == hosts[0] else "0", "OMP_NUM_THREADS": "1",
                         "UGRO_CLUSTER_ADDRESS": "127.0.0.1"} | env  # fmt: skip
     argv = [PYTHON, "-m", "train.launcher", f"--nnodes={len(hosts)}", f"--node-rank={hosts.index(host)}",
-            "--nproc-per-node=1", "--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--nproc-per-node={nproc}", "--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--rdzv-id={run_dir.name}", "--local-addr=127.0.0.1", "--max-restarts=0", "--module",
             "tests.fixtures.faulty_worker", "--job", str(job), "--run-dir", str(run_dir),
             "--code-dir", str(REPO), *extra]  # fmt: skip

@@ -22,6 +22,7 @@ from helpers import PYTHON, REPO, run_env, write_job
 from train.config import ConfigError
 from train.dist.comm import BrokenGroup
 from train.dist.health import GroupLost
+from train.metrics import read_metrics
 from train.recovery.failure import NonFiniteError, Stopped, kind_of
 from ugro.run import follow, recovery
 
@@ -77,6 +78,30 @@ def test_a_frozen_peer_is_noticed_within_the_collective_timeout_and_recorded(
     record = json.loads((run_dir / "run.json").read_text())
     assert record["state"] == "failed" and record["cause"]["kind"] == "collective", record
     assert proc.returncode != 0
+
+
+@pytest.mark.parametrize("point", ["exchange", "allreduce"])
+def test_a_peer_that_never_joins_a_collective_fails_the_step_it_is_never_applied(
+    tmp_path: Path, torchrun_cmd: Callable[..., list[str]], point: str
+) -> None:
+    """Rank 1 stays alive but does not join step 3's exchange or gradient all-reduce (tests/fixtures/faulty_worker.py
+    UGRO_TEST_STALL). As on NCCL, the watchdog ends rank 0's wait at the timeout with NaN in the buffer (the test
+    backend's) and no error: the rank asks the group's recorded error before it reads (train/dist/comm.py
+    ``failure``) and records a failed collective naming the timeout, not a non-finite loss or a bad token count, and
+    step 3 is never applied."""
+    job = write_job(tmp_path / "job.yaml", train={"max_steps": 6, "global_batch_size": 4, "log_every": 1},
+                    distributed={"timeout_s": 5}, checkpoint={"every": 100})  # fmt: skip
+    run_dir = tmp_path / "run"
+    argv = [("tests.fixtures.faulty_worker" if part == "train.worker" else part)
+            for part in torchrun_cmd(job, run_dir, nproc=2)]  # fmt: skip
+    done = subprocess.run(argv, cwd=REPO, env=run_env() | {"UGRO_TEST_STALL": f"1:3:25:{point}"},
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    first = next((r for r in _records(run_dir) if r["rank"] == 0), None)
+    logs = "".join(f"--- {p.name}:\n{p.read_text()[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+    assert first is not None and first["kind"] == "collective", f"{first}\n{logs}"
+    assert "timed out" in str(first["message"]), first
+    assert [row["step"] for row in read_metrics(run_dir)] == [1, 2], logs
+    assert done.returncode != 0
 
 
 def test_a_stopped_run_records_stopped_on_every_rank(tmp_path: Path, torchrun_cmd: Callable[..., list[str]]) -> None:

@@ -43,10 +43,10 @@ PAIRS = {"source": "data/preference/train.jsonl", "format": "preference", "packi
 METHODS: dict[str, dict[str, Any]] = {"sft": {}, "dpo": {"data": PAIRS, "rank_local": {"micro_batch_size": 2}}}
 
 
-def _job(path: Path, method: str) -> Path:
+def _job(path: Path, method: str, timeout_s: int = 60) -> Path:
     train = {"max_steps": LAST_STEP, "global_batch_size": 8, "log_every": 1, "seed": 7, "method": method}
     return write_job(path, train=train, lora={"dropout": 0.0}, schedule={"warmup_steps": 1}, eval=None,
-                     distributed={"timeout_s": 60}, checkpoint={"every": 1, "keep_last": LAST_STEP},
+                     distributed={"timeout_s": timeout_s}, checkpoint={"every": 1, "keep_last": LAST_STEP},
                      **METHODS[method])  # fmt: skip
 
 
@@ -55,7 +55,7 @@ def _pids(run_dir: Path, hosts: tuple[str, ...]) -> list[int]:
 
 
 def _train(hosts: tuple[str, ...], job: Path, run_dir: Path, logs: Path, faults: str = "",
-           resume: bool = False) -> dict[str, Any]:  # fmt: skip
+           resume: bool = False, nproc: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
     """One launcher per host (the launch script's, h1 the main host), each with one rank of the faulty worker; until
     the main rank records the run finished and every rank has ended. A survivor's launcher waits at torchrun's exit
     barrier for a lost host's, so the test ends them. Returns run.json."""
@@ -64,7 +64,7 @@ def _train(hosts: tuple[str, ...], job: Path, run_dir: Path, logs: Path, faults:
         (run_dir / "hosts" / host).mkdir(parents=True, exist_ok=True)
     extra = ("--resume", "auto" if resume else "none")
     agents = {h: host_launcher(hosts, h, port, job, run_dir, logs / f"{run_dir.name}-{h}.log",
-                               {"UGRO_TEST_DIE": faults}, extra) for h in hosts}  # fmt: skip
+                               {"UGRO_TEST_DIE": faults}, extra, (nproc or {}).get(h, 1)) for h in hosts}  # fmt: skip
     record: dict[str, Any] = {}
     try:
         deadline = time.monotonic() + 300
@@ -142,3 +142,16 @@ def test_the_survivors_next_update_is_the_fault_free_groups(
         # fp32 rounding of sums in another order: far below a millionth of the weights, a thousandth of the update.
         assert _distance(got, expected) <= 1e-6, (step, _distance(got, expected))
         assert _norm({k: got[k] - expected[k] for k in start}) <= 1e-3 * update, (step, update)
+
+
+def test_a_hosts_second_rank_learns_of_a_lost_host_from_its_heartbeat_not_at_the_timeout(tmp_path: Path) -> None:
+    """h1 runs two ranks, h2 one; h2 goes whole inside step 3's gradient all-reduce. h1's first rank hears it from
+    its heartbeat within seconds. Its second rank runs no heartbeat, and its all-reduce waits on a dead peer until the
+    watchdog's timeout (20 s here, as on NCCL); it learns from the heartbeat's word (``hosts/h1/lost.json``,
+    train/recovery/watch.py) instead, so the two regroup and finish without waiting out the timeout."""
+    record = _train(("h1", "h2"), _job(tmp_path / "job.yaml", "sft", timeout_s=20), tmp_path / "run", tmp_path,
+                    faults=f"h2:allreduce:{FAULT_STEP}:host", nproc={"h1": 2})  # fmt: skip
+    assert record["state"] == "finished", record
+    (regroup,) = record["regroups"]
+    assert (regroup["hosts"], regroup["decided_by"]) == (["h1"], "survivors"), regroup
+    assert regroup["seconds"] < 10, regroup  # the watchdog's timeout is 20 s

@@ -11,6 +11,7 @@ soon as the group is declared broken, not at the collective timeout and not with
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import threading
 import time
@@ -70,12 +71,9 @@ def _neighbours(rank: int, port: int, out: str) -> None:
         work.wait()
     batched = float(received[0, 0])
     started = time.monotonic()
-    try:
-        dist.isend(hidden, peer)  # each neighbour queues its send first, as the 1F1B loop did
-        dist.recv(received, peer)
-        outcome = "both went through"
-    except dist.DistBackendError as exc:
-        outcome = f"after {time.monotonic() - started:.0f} s: {exc}"
+    dist.isend(hidden, peer)  # each neighbour queues its send first, as the 1F1B loop did
+    dist.recv(received, peer)  # returns when the watchdog ends it, as NCCL's host read does
+    outcome = f"after {time.monotonic() - started:.0f} s: read {float(received[0, 0])}; {comm.failure()}"
     Path(out).with_suffix(f".{rank}").write_text(f"{batched}\n{outcome}")
 
 
@@ -87,7 +85,8 @@ def test_neighbours_that_both_send_first_wait_on_each_other_and_one_batch_goes_t
     for rank in (0, 1):
         batched, outcome = out.with_suffix(f".{rank}").read_text().splitlines()
         assert float(batched) == float(1 - rank)
-        assert outcome.startswith("after 3 s: ") and "timed out" in outcome, outcome
+        # The watchdog ended the receive at the timeout: the buffer holds NaN, the group says TIMEOUT.
+        assert outcome.startswith("after 3 s: read nan; ") and "TIMEOUT" in outcome, outcome
 
 
 def _lost_peer(rank: int, port: int, out: str) -> None:
@@ -102,13 +101,14 @@ def _lost_peer(rank: int, port: int, out: str) -> None:
     time.sleep(2.0)
     hung = not work.is_completed()  # still waiting: no error reached the rank
     group = dist.group.WORLD
-    threading.Timer(0.5, group.abort).start()  # as NCCL's watchdog (or ugro's watcher) aborts the communicator
+    threading.Timer(0.5, group.abort).start()  # as ugro's watcher aborts the communicator
     started = time.monotonic()
+    work.wait()  # returns once aborted, as NCCL's stream wait and host read do: no error, no result
+    outcome = f"returned after {time.monotonic() - started:.1f} s holding {float(value)}"
     try:
-        work.wait()
-        outcome = "returned"
+        work.wait(datetime.timedelta(seconds=5))  # NCCL's blocking wait raises for an aborted communicator
     except dist.DistBackendError as exc:
-        outcome = f"raised after {time.monotonic() - started:.1f} s: {exc}"
+        outcome += f"; a blocking wait raised: {exc}"
     Path(out).write_text(f"{hung}\n{outcome}")
 
 
@@ -117,7 +117,81 @@ def test_a_lost_peer_hangs_a_collective_until_the_group_is_aborted(tmp_path: Pat
     spawn(_lost_peer, 2, str(out))
     hung, outcome = out.read_text().splitlines()
     assert hung == "True"
-    assert outcome.startswith("raised after 0.") and "aborted" in outcome, outcome
+    assert outcome.startswith("returned after 0.") and "holding nan" in outcome, outcome
+    assert "a blocking wait raised" in outcome and "aborted" in outcome, outcome
+
+
+def _never_joins(rank: int, port: int, out: str) -> None:
+    """Rank 1 is alive (its store answers, its heartbeat would beat) but never joins the collective."""
+    _init(rank, port, timeout_s=2)
+    if rank == 1:
+        time.sleep(6)
+        os._exit(0)
+    value = torch.full((4,), 3.0)
+    work = dist.all_reduce(value, async_op=True)
+    started = time.monotonic()
+    handed = comm.then(work, lambda: value.tolist())  # as DDP's hook: its future's value becomes the gradients
+    seen = [f"the hook handed on {handed.wait()} after {time.monotonic() - started:.0f} s"]
+    work.wait()
+    seen.append(f"a wait returned holding {value.tolist()}")
+    try:
+        comm.result(None, lambda: None)
+        seen.append("comm.result took it for a result")
+    except comm.CollectiveFailed as exc:
+        seen.append(f"comm.result: CollectiveFailed: {exc}")
+    try:
+        GroupHealth().committable(torch.device("cpu"))
+        seen.append("the step committed")
+    except comm.CollectiveFailed as exc:
+        seen.append(f"commit point: {type(exc).__name__}")
+    Path(out).write_text("\n".join(seen))
+    os._exit(0)  # the aborted group's threads: nothing left to shut down
+
+
+def test_a_collective_the_watchdog_ended_is_never_read_as_a_result(tmp_path: Path, spawn: Callable[..., None]) -> None:
+    """As NCCL (TORCH_NCCL_ASYNC_ERROR_HANDLING=2): at the timeout the watchdog records TIMEOUT in the group and aborts
+    it, and a wait without timeout returns with whatever the buffer held; only the group's recorded error tells."""
+    out = tmp_path / "never"
+    spawn(_never_joins, 2, str(out))
+    hook, wait, result, commit = out.read_text().splitlines()
+    assert hook == "the hook handed on [nan, nan, nan, nan] after 2 s", hook
+    assert wait == "a wait returned holding [nan, nan, nan, nan]", wait
+    assert result.startswith("comm.result: CollectiveFailed: ") and "TIMEOUT" in result, result
+    assert commit == "commit point: CollectiveFailed", commit
+
+
+def _two_hung(rank: int, port: int, out: str) -> None:
+    """A hung collective on a subgroup (a pipeline's gradient sync) and on the default group, then the group fails."""
+    _init(rank, port, timeout_s=20)
+    subgroup = dist.new_group([0, 1])
+    if rank == 1:
+        time.sleep(6)  # alive, never joins either collective
+        os._exit(0)
+    waits = [
+        dist.all_reduce(torch.ones(1), group=subgroup, async_op=True),
+        dist.all_reduce(torch.ones(1), async_op=True),
+    ]
+    health = GroupHealth()
+    health.watched = True
+    started = time.monotonic()
+    health.fail("a peer was lost")  # from the watcher's thread in a rank: here on the rank's own
+    seen = f"fail returned after {time.monotonic() - started:.0f} s"
+    for work in waits:
+        work.wait()
+    Path(out).write_text(f"{seen}; waits returned after {time.monotonic() - started:.0f} s")
+    os._exit(0)
+
+
+def test_the_aborts_of_several_hung_communicators_do_not_wait_on_each_other(
+    tmp_path: Path, spawn: Callable[..., None]
+) -> None:
+    """``ncclCommAbort`` of one communicator waits while another has a hung kernel (pytorch#119797): aborted one after
+    another, a rank that lost a peer would wait until the other's collective ends (here when the peer exits, after 6 s)
+    or its watchdog's timeout (20 s). In one group call, as torch's
+    ``_abort_process_group`` makes them (train/dist/comm.py ``abort_all``), every wait ends at once."""
+    out = tmp_path / "hung"
+    spawn(_two_hung, 2, str(out))
+    assert out.read_text() == "fail returned after 0 s; waits returned after 0 s"
 
 
 def _step_totals(rank: int, port: int, out: str) -> None:
@@ -173,3 +247,20 @@ def test_a_wait_on_a_lost_peer_ends_when_the_group_is_declared_broken(
 @pytest.fixture(autouse=True)
 def _spawned_ranks_use_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(nccl_like.ENV, "1")
+
+
+def test_the_gpu_benchs_multirank_part_runs_dry_on_cpu_and_says_what_a_gpu_would_show(tmp_path: Path) -> None:
+    """`python -m bench.gpu OUT multirank` on a machine without CUDA: three ranks on the NCCL-like backend (the step's
+    exchange, a hook's average, a collective the watchdog ended refused), and what the GPU parts would show."""
+    import subprocess
+
+    from helpers import PYTHON, REPO, run_env
+
+    done = subprocess.run([PYTHON, "-m", "bench.gpu", str(tmp_path), "multirank"], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "gpu.jsonl").read_text().splitlines()[-1])
+    assert record["dry"] is True and set(record["not_run"]) == {"stream", "hook", "ranks"}, record
+    ranks = record["results"]["ranks"]
+    assert [r["exchange_tokens"] for r in ranks] == [6, 6] and [r["hook_average"] for r in ranks] == [2.0, 2.0]
+    assert all(r["watchdog"].startswith("refused, buffer [nan, nan]") and "TIMEOUT" in r["watchdog"] for r in ranks)

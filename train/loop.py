@@ -256,6 +256,9 @@ class Rank:
     def update(self, step: int, loss: float) -> tuple[float, float]:
         """Clip and apply the update; a non-finite loss or gradient stops the run before it is applied."""
         grad_norm = self.trainer.clip(self.job.optim.grad_clip)
+        # The commit point: a collective of this step that a watchdog ended left its buffers as they were (NaN, a
+        # partial sum); the group's recorded error says so, and the step is a failed collective, not an update.
+        self.membership.health.committable(self.info.device)
         lr = float(self.scheduler.get_last_lr()[0])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise NonFiniteError(

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from train.balance.planner import Plan, Telemetry, initial_plan, make_plan, split
 from train.balance.step import StepClock
 from train.config import ConfigError, JobConfig
+from train.dist import comm
 from train.dist.distributed import RankInfo
 from train.layout.topology import Layout
 
@@ -38,9 +39,7 @@ def _emulated_s_per_token(job: JobConfig, info: RankInfo) -> float:
 def _gather_caps(info: RankInfo, cap: int) -> tuple[int, ...]:
     if not dist.is_initialized():
         return (cap,)
-    caps: list[int | None] = [None] * info.world_size
-    dist.all_gather_object(caps, cap)
-    return tuple(int(c) for c in caps if c is not None)
+    return tuple(int(c) for c in comm.gather_objects(cap))
 
 
 class Balancer:

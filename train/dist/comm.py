@@ -16,18 +16,29 @@ work's own future, whose callback waits on the work before it hands the tensor o
 by hand carries no CUDA events and orders nothing. Under ``UGRO_NCCL_LIKE=1`` (train/dist/nccl_like.py, every test
 rank) a result lands only at ``work.wait()``, so a read any other way reads stale figures in the tests too.
 
+When a result is a result: a wait returns also for a collective that never completed. NCCL's watchdog ends a
+collective that outlived the group's timeout by recording the error in the group (``ProcessGroupNCCL.get_error``:
+TIMEOUT or COMM_ERROR) and aborting the communicator; ``work.wait()`` had only made the stream wait, and the host's
+read of the buffer returns whatever it holds (the caller's own figures, a partial sum). ``result`` therefore asks
+every communicator of the rank, after the read, whether it failed (``failure``), and raises ``CollectiveFailed``
+instead of handing the figures on; the blocking forms below (``async_op=False``) wait through it, and so do the
+object collectives (``gather_objects``, ``broadcast_objects``). What DDP reads from its hook's future is checked at the
+step's commit point (train/dist/health.py ``GroupHealth.committable``), after the host has read the step's figures.
+
 Sends and receives between two ranks go through ``exchange`` only: one ``batch_isend_irecv``, so that a send and a
 receive that must progress together do (NCCL: a large send completes only when its receive is posted).
 """
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import ErrorType
 from torch.distributed import distributed_c10d as c10d
 
 from train.dist import devicecheck, nccl_like
@@ -97,23 +108,66 @@ def check(call: str, tensors: torch.Tensor | Sequence[torch.Tensor], group: dist
             )
 
 
+def _queued(work: dist.Work | None, async_op: bool) -> dist.Work | None:
+    """The work for the caller to wait on (``async_op``), or none once its result is known good (``result``)."""
+    if async_op:
+        return work
+    result(work, lambda: None)
+    return None
+
+
 def all_reduce(
     value: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> dist.Work | None:
     check("all_reduce", value, group)
-    return dist.all_reduce(value, op=op, group=group, async_op=async_op)
+    return _queued(dist.all_reduce(value, op=op, group=group, async_op=True), async_op)
 
 
 def all_gather(
     out: list[torch.Tensor], value: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> dist.Work | None:
     check("all_gather", [value, *out], group)
-    return dist.all_gather(out, value, group=group, async_op=async_op)
+    return _queued(dist.all_gather(out, value, group=group, async_op=True), async_op)
 
 
-def broadcast(value: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+def broadcast(
+    value: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> dist.Work | None:
     check("broadcast", value, group)
-    dist.broadcast(value, src=src, group=group)
+    return _queued(dist.broadcast(value, src=src, group=group, async_op=True), async_op)
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None = None, broken: threading.Event | None = None) -> list[Any]:
+    """Collective: every rank's ``obj`` (picklable), by rank, as ``dist.all_gather_object`` gives them, in two
+    collectives whose results are checked (``result``) before a byte is unpickled: a size or a payload that a
+    watchdog left in the buffer never becomes an object. ``group`` must carry CPU tensors for the pickles' sake where
+    it is gloo; on NCCL the bytes travel on the rank's device."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [zeros(1, torch.int64, group) for _ in range(world)]
+    work = all_gather(sizes, tensor([data.numel()], torch.int64, group), group, async_op=True)
+    lengths = result(work, lambda: [int(size) for size in sizes], broken)
+    padded = zeros(max(lengths), torch.uint8, group)
+    padded[: data.numel()] = data.to(padded.device)
+    gathered = [zeros(max(lengths), torch.uint8, group) for _ in range(world)]
+    blobs = result(all_gather(gathered, padded, group, async_op=True),
+                   lambda: [t[:n].cpu().numpy().tobytes() for t, n in zip(gathered, lengths, strict=True)], broken)  # fmt: skip
+    return [pickle.loads(blob) for blob in blobs]
+
+
+def broadcast_objects(obj: Any, src: int, group: dist.ProcessGroup | None = None,
+                      broken: threading.Event | None = None) -> Any:  # fmt: skip
+    """Collective: rank ``src``'s ``obj`` (picklable; the others pass anything) on every rank, in two checked
+    broadcasts (``gather_objects`` says why). ``src`` is a global rank."""
+    mine = dist.get_rank() == src
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if mine else None
+    size = tensor([data.numel() if data is not None else 0], torch.int64, group)
+    length = result(broadcast(size, src, group, async_op=True), lambda: int(size), broken)
+    payload = zeros(length, torch.uint8, group)
+    if data is not None:
+        payload[:] = data.to(payload.device)
+    blob = result(broadcast(payload, src, group, async_op=True), lambda: payload.cpu().numpy().tobytes(), broken)
+    return obj if mine else pickle.loads(blob)
 
 
 def exchange(
@@ -151,7 +205,27 @@ def result(works: dist.Work | Sequence[dist.Work] | None, read: Callable[[], T],
     value = read()
     if broken is not None and broken.is_set():  # NCCL: the read returned because the communicator was aborted
         raise BrokenGroup("the group was declared broken while a collective's result was read")
+    why = failure()
+    if why is not None:  # NCCL's watchdog ended it: the read returned what the buffer held
+        raise CollectiveFailed(f"a collective did not complete, its buffer is no result: {why}")
     return value
+
+
+def failure() -> str | None:
+    """Why a communicator of this rank (a group with NCCL's semantics) failed, or None while none has. NCCL's
+    watchdog records a timed-out or failed collective in its group (``ProcessGroupNCCL.get_error``) before it aborts
+    the communicator; the test backend records the same (train/dist/nccl_like.py ``NcclLike.error``)."""
+    if not dist.is_initialized():
+        return None
+    for group in list(c10d._world.pg_names):
+        if isinstance(group, nccl_like.NcclLike):
+            if group.error:
+                return f"{nccl_like.NAME} group {group.group_desc or group.group_name}: {group.error}"
+        elif _nccl(group):
+            error = group._get_backend(torch.device("cuda")).get_error()
+            if error != ErrorType.SUCCESS:
+                return f"NCCL group {group.group_desc or group.group_name}: {error.name}"
+    return None
 
 
 def then(
@@ -215,11 +289,28 @@ class BrokenGroup(RuntimeError):
     """A wait ended because the group was declared broken (train/dist/health.py turns it into GroupLost)."""
 
 
+class CollectiveFailed(dist.DistBackendError):
+    """A wait returned for a collective that did not complete (NCCL's watchdog timed it out or saw its communicator
+    fail): its buffer holds no result. A failed collective, as a lost peer's (train/dist/health.py)."""
+
+
 def abort_all() -> None:
-    """Abort every group with NCCL's semantics (``ncclCommAbort``): their waits end with an error. From any thread:
-    the world's registry is left as it is (train/dist/distributed.py ``leave`` clears it on the rank's own thread)."""
+    """Abort every group with NCCL's semantics (``ncclCommAbort``): their waits return, holding no result. In one
+    NCCL group call, newest group first, as torch's ``_abort_process_group`` does: aborted one after another, the
+    abort of one communicator can wait forever on another's hung kernel (pytorch#119797, NVIDIA/nccl#1013), and a
+    pipeline holds several (the default group, the gradient-sync subgroups). From any thread: the world's registry is
+    left as it is (train/dist/distributed.py ``leave`` clears it on the rank's own thread)."""
     if not dist.is_initialized():
         return
-    for group in list(c10d._world.pg_names):
-        if nccl_semantics(group):
+    names = c10d._world.pg_names
+    groups = [g for g in sorted(names, key=lambda g: names[g], reverse=True) if nccl_semantics(g)]
+    default = c10d._get_default_group()
+    call: Any = default if nccl_like.ours(default) else default._get_backend(torch.device("cuda")) if _nccl(None) else None
+    if call is not None:
+        call._group_start()
+    try:
+        for group in groups:
             group.abort()
+    finally:
+        if call is not None:
+            call._group_end()

@@ -115,9 +115,7 @@ def _roll_call(
     if not dist.is_initialized():
         return 0, (host,), ()
     endpoint = server.endpoint if server is not None else ""
-    everyone: list[tuple[str, int, str] | None] = [None] * world
-    dist.all_gather_object(everyone, (host, candidate, endpoint))
-    entries = [e for e in everyone if e is not None]
+    entries: list[tuple[str, int, str]] = comm.gather_objects((host, candidate, endpoint))
     chosen = min(c for _, c, _ in entries)
     stores = tuple((h, e) for h, _, e in entries if e)
     return (chosen if chosen < world else 0), tuple(h for h, _, _ in entries), stores
@@ -150,6 +148,7 @@ def form(new: RankInfo, store: dist.Store, prefix: str, timeout_s: int, retired:
 def leave() -> None:
     """Leave every process group of the current default group: NCCL's aborted, gloo's destroyed."""
     if comm.nccl_semantics(None):  # NCCL, or the test backend that behaves like it
+        comm.abort_all()  # in one group call, as torch does it for NCCL (not for the test backend)
         dist.distributed_c10d._abort_process_group()  # every group, the control and pipeline ones too
     else:
         dist.destroy_process_group()
@@ -181,8 +180,7 @@ def agree(problem: str | None, info: RankInfo) -> None:
     """Collective: if any rank could not load its configuration, every rank raises the same error."""
     problems: list[str | None] = [problem]
     if dist.is_initialized():
-        problems = [None] * info.world_size
-        dist.all_gather_object(problems, problem)
+        problems = comm.gather_objects(problem)
     found = list(dict.fromkeys(p for p in problems if p))
     if found:
         raise ConfigError("\n".join(found))
@@ -203,8 +201,7 @@ def check_same_job(job: JobConfig, info: RankInfo) -> None:
     if not dist.is_initialized():
         return
     mine = (info.host, info.rank, job.cluster_hash(), _flatten(job.cluster_wide()))
-    everyone: list[Any] = [None] * info.world_size
-    dist.all_gather_object(everyone, mine)
+    everyone: list[Any] = comm.gather_objects(mine)
     ref_host, _, ref_hash, ref_flat = everyone[0]
     for host, rank, digest, flat in everyone[1:]:
         if digest == ref_hash:
@@ -278,9 +275,7 @@ def broadcast_trainable(model: torch.nn.Module, info: RankInfo, src: int = 0) ->
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     layout = hashlib.sha256(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in named]).encode()).hexdigest()
-    everyone: list[tuple[str, int, str, int] | None] = [None] * info.world_size
-    dist.all_gather_object(everyone, (info.host, info.rank, layout, len(named)))
-    entries = [e for e in everyone if e is not None]
+    entries: list[tuple[str, int, str, int]] = comm.gather_objects((info.host, info.rank, layout, len(named)))
     ref_host, ref_rank, ref_layout, ref_count = entries[src]
     odd = [f"{host} (rank {rank}: {count} tensors)" for host, rank, digest, count in entries if digest != ref_layout]
     if odd:

@@ -15,10 +15,9 @@ exchange, DDP's hook, the held-out loss, the pipeline's exchanges). Where nobody
 from __future__ import annotations
 
 import logging
-import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -150,19 +149,27 @@ class GroupHealth:
 
     def result(self, works: dist.Work | list[dist.Work] | None, read: Callable[[], T]) -> T:
         """Wait for collectives started with ``async_op=True`` and read their result (``comm.result``: the one way);
-        GroupLost if one fails or the group is declared broken meanwhile.
+        GroupLost if one fails, did not complete (NCCL's watchdog ended it), or the group is declared broken meanwhile.
 
         The wait ends at once when the group is declared broken, and a signal reaches the rank while it waits: a rank
         waiting for a peer that a stop already ended still turns the stop's SIGTERM into ``Stopped`` and records it
         (train/recovery/failure.py), instead of waiting until the collective timeout or torchrun kills it."""
-        if not self.watched:
-            return comm.result(works, read)
         listed = [works] if isinstance(works, dist.Work) else list(works or [])
+        return self._guard(lambda: comm.result(listed, read, self._breaks()), listed)
+
+    def _breaks(self) -> threading.Event | None:
+        return self.breaks if self.watched else None
+
+    def _guard(self, call: Callable[[], T], works: Sequence[Any] = ()) -> T:
+        """``call`` (which waits on ``works``, or on collectives of its own, through ``comm.result``), a failure turned
+        into GroupLost where the group is watched: the one guard of every blocking collective of a step in train/."""
+        if not self.watched:
+            return call()
         self.intact()
         with self._lock:
-            self._waiting.update(listed)
+            self._waiting.update(works)
         try:
-            return comm.result(listed, read, self.breaks)
+            return call()
         except comm.BrokenGroup as exc:
             raise GroupLost(self.broken or str(exc)) from None
         except Exception as exc:
@@ -173,20 +180,24 @@ class GroupHealth:
             raise GroupLost(self.broken or one_line(exc)) from exc
         finally:
             with self._lock:
-                self._waiting.difference_update(listed)
+                self._waiting.difference_update(works)
+
+    def committable(self, device: torch.device) -> None:
+        """The step's commit point, before its update is applied: the host waits for the device (every collective
+        the step queued has ended there), then asks whether one was ended by a watchdog or the group broke. DDP
+        hands its hook's buffers to the gradients with no host wait; on NCCL a collective the watchdog timed out
+        leaves in them whatever they held, and only the group's recorded error tells (``comm.failure``). GroupLost
+        (a watched group) or ``comm.CollectiveFailed``: a failed collective, never an update."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self._guard(lambda: comm.result(None, lambda: None, self._breaks()))
 
     def gather_objects(self, obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-        """Collective: every rank's ``obj`` (picklable), by rank, as ``dist.all_gather_object`` gives them, but in two
-        collectives a broken group abandons (``result``) where that one blocks until the collective timeout. CPU
-        tensors: ``group`` must be a gloo group (the default one on CPU; ``comm.control_group()`` beside NCCL)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        world = dist.get_world_size(group)
-        sizes = [comm.zeros(1, torch.int64, group) for _ in range(world)]
-        work = comm.all_gather(sizes, comm.tensor([data.numel()], torch.int64, group), group, async_op=True)
-        lengths = self.result(work, lambda: [int(size) for size in sizes])
-        padded = comm.zeros(max(lengths), torch.uint8, group)
-        padded[: data.numel()] = data
-        gathered = [comm.zeros(max(lengths), torch.uint8, group) for _ in range(world)]
-        blobs = self.result(comm.all_gather(gathered, padded, group, async_op=True),
-                            lambda: [t[:n].cpu().numpy().tobytes() for t, n in zip(gathered, lengths, strict=True)])  # fmt: skip
-        return [pickle.loads(blob) for blob in blobs]
+        """Collective: every rank's ``obj`` (picklable), by rank (``comm.gather_objects``), under the guard: a broken
+        group abandons it where ``dist.all_gather_object`` blocks until the collective timeout. CPU tensors: ``group``
+        must be a gloo group (the default one on CPU; ``comm.control_group()`` beside NCCL)."""
+        return self._guard(lambda: comm.gather_objects(obj, group, self._breaks()))
+
+    def broadcast_objects(self, obj: Any, src: int, group: dist.ProcessGroup | None = None) -> Any:
+        """Collective: rank ``src``'s ``obj`` on every rank (``comm.broadcast_objects``), under the guard."""
+        return self._guard(lambda: comm.broadcast_objects(obj, src, group, self._breaks()))

@@ -18,9 +18,13 @@ every group made beside it without a backend, of this kind instead of gloo:
   when the peer has reached the matching receive. Two neighbours that each queue a send before the receive wait on
   each other until the collective timeout, as on NCCL once a send outgrows its buffers. Sends and receives given
   to ``dist.batch_isend_irecv`` together progress together (NCCL's group calls).
-- **A lost peer hangs.** A collective whose peer is gone does not fail at once (gloo's connection reset is kept
-  back): its ``wait()`` blocks until the group's timeout has passed since the collective was queued (NCCL's
-  watchdog), or until the group is aborted (``abort()``, as ``ncclCommAbort``), then raises.
+- **A lost peer hangs, and a wait returns anyway.** A collective whose peer is gone does not fail at once (gloo's
+  connection reset is kept back): its ``wait()`` blocks until the group's timeout has passed since the collective
+  was queued, when the watchdog records the timeout in the group (``error``, NCCL's ``get_error``) and aborts it,
+  or until the group is aborted (``abort()``, as ``ncclCommAbort``). Then it *returns*, as the host's read of an
+  NCCL buffer does, with NaN in the caller's tensors (``UGRO_NCCL_LIKE_GARBAGE=own``: their own figures): code that
+  does not ask the group's error (train/dist/comm.py ``failure``) takes them for a result. A wait with a timeout
+  (NCCL's blocking wait) raises instead.
 
 Tensors stay CPU tensors; the device checker (train/dist/devicecheck.py) refuses the ones NCCL would not carry.
 """
@@ -43,6 +47,7 @@ from torch.distributed import distributed_c10d as c10d
 NAME = "ugro_nccl_like"
 ENV = "UGRO_NCCL_LIKE"
 EAGER_ENV = "UGRO_NCCL_LIKE_EAGER_BYTES"
+GARBAGE_ENV = "UGRO_NCCL_LIKE_GARBAGE"
 EAGER_BYTES = 256  # sends up to this size complete without the receive (NCCL's buffers: a few MiB)
 _POLL_S = 0.05
 
@@ -66,32 +71,59 @@ class NcclWork(dist.Work):
         # NCCL: complete when queued. Its tensors are the CPU's (this backend's), so the future carries no devices.
         self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=[])
         self._future.set_result(result)
+        group.pending.add(self)
 
     def finish(self, error: str | None = None) -> None:
         with self._group.changed:
             self._finished, self._error = True, error
+            self._group.pending.discard(self)
             self._group.changed.notify_all()
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        """Until the result lands. Without ``timeout`` (NCCL: the stream waits, the host goes on) a collective that
+        does not complete is ended by the watchdog at the group's timeout, or by an abort: the wait then returns as
+        NCCL's host read does, with the caller's tensors holding no result (``garbage``), and only the group's
+        recorded error (``NcclLike.error``, the watchdog's) says so. With ``timeout`` (NCCL's blocking wait) it raises
+        once that has passed, after aborting the communicator."""
         limit = self._group.timeout_s
+        blocking = timeout.total_seconds() > 0
+        deadline = min(limit, timeout.total_seconds()) if blocking else limit
         with self._group.changed:
             while True:
-                if self._group.aborted:
-                    raise dist.DistBackendError(f"{NAME}: {self._what} ended: {self._group.aborted}")
                 if self._finished and self._error is None:
                     if not self._landed:
                         self._land()  # the result is written where the caller reads it, now and only now
                         self._landed = True
                     return True
+                if self._group.aborted:
+                    if blocking:
+                        raise dist.DistBackendError(f"{NAME}: {self._what} ended: {self._group.aborted}")
+                    self._garbage()
+                    return True
                 waited = time.monotonic() - self._queued
-                if waited >= limit:
+                if waited >= deadline:
                     cause = f" ({self._error})" if self._error else ""
-                    self._group.abort(f"the watchdog aborted the communicator: {self._what} timed out")
-                    raise dist.DistBackendError(
-                        f"{NAME}: {self._what} timed out after {limit:.0f} s (the watchdog's collective timeout); "
-                        f"a peer never took part{cause}"
-                    )
-                self._group.changed.wait(min(_POLL_S, limit - waited))
+                    why = f"{self._what} timed out after {waited:.0f} s; a peer never took part{cause}"
+                    if not blocking or deadline >= limit:  # the watchdog's: recorded in the group, as NCCL's
+                        self._group.error = self._group.error or f"TIMEOUT: {why}"
+                    self._group.abort(f"the watchdog aborted the communicator: {why}")
+                    if blocking:
+                        raise dist.DistBackendError(f"{NAME}: {why} (a blocking wait's timeout)")
+                    self._garbage()
+                    return True
+                self._group.changed.wait(min(_POLL_S, deadline - waited))
+
+    def _garbage(self) -> None:
+        """What the caller's tensors hold after a collective that never completed: ``UGRO_NCCL_LIKE_GARBAGE=nan``
+        (the default) NaN in every floating tensor, ``own`` their own figures untouched (NCCL leaves either, or a
+        partial sum)."""
+        if self._landed or os.environ.get(GARBAGE_ENV, "nan") == "own":
+            return
+        with torch.no_grad():
+            for tensor in self._future.value():
+                if tensor.is_floating_point():
+                    tensor.fill_(float("nan"))
+        self._landed = True
 
     def is_completed(self) -> bool:
         """Ended well, or ended badly underneath and aborted: a collective waiting for a lost peer is not complete
@@ -217,16 +249,36 @@ class NcclLike(dist.ProcessGroup):
         self.timeout_s = timeout.total_seconds()
         self.eager_bytes = int(os.environ.get(EAGER_ENV, str(EAGER_BYTES)))
         self.aborted = ""  # why the communicator was aborted (empty: it was not)
+        self.error = ""  # what the watchdog recorded (ProcessGroupNCCL.get_error: a timeout), empty while none
+        self.pending: set[NcclWork] = set()  # queued and not ended underneath: the device's work of this communicator
         self.changed = threading.Condition()
         self._channels: dict[int, _Channel] = {}
         self._lock = threading.Lock()
+        self._kept = kept
         kept.groups.append(self)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return NAME
 
     def abort(self, why: str = "the communicator was aborted") -> None:  # type: ignore[override]
-        """As ``ncclCommAbort``: every operation under way, and any later one, ends with an error."""
+        """As ``ncclCommAbort``: every operation under way ends (its wait returns, holding no result), any later one
+        is refused. Between ``_group_start`` and ``_group_end`` (NCCL's group call, as torch's own
+        ``_abort_process_group`` makes around the aborts of several communicators) it happens at the group's end,
+        with the others'. Outside one it waits first while another communicator of this process has work that cannot
+        end, as ``ncclCommAbort`` does (pytorch#119797, NVIDIA/nccl#1013): until that one is aborted, its work ends,
+        or its own watchdog's timeout passes."""
+        if self.aborted or self._kept.deferred(self, why):
+            return
+        self._kept.wait_for_others(self)
+        self.aborted_now(why)
+
+    def _group_start(self) -> None:
+        self._kept.group_start()
+
+    def _group_end(self) -> None:
+        self._kept.group_end()
+
+    def aborted_now(self, why: str) -> None:
         with self.changed:
             self.aborted = self.aborted or why
             self.changed.notify_all()
@@ -244,7 +296,7 @@ class NcclLike(dist.ProcessGroup):
                start: Callable[[], Any]) -> NcclWork:  # fmt: skip
         """Start ``start`` (gloo, on scratch tensors); at wait() each (caller's, scratch) pair is copied."""
         if self.aborted:
-            raise dist.DistBackendError(f"{NAME}: {what} on an aborted communicator")
+            raise dist.DistBackendError(f"{NAME}: {what} on an aborted communicator ({self.aborted})")
 
         def land() -> None:
             with torch.no_grad():
@@ -348,14 +400,48 @@ class Groups:
 
     def __init__(self) -> None:
         self.groups: list[NcclLike] = []
+        self.depth = 0  # inside a group call (NCCL's ncclGroupStart ... ncclGroupEnd) while above 0
+        self.aborts: list[tuple[NcclLike, str]] = []  # the aborts asked for inside it
         atexit.register(self.abort_all)
 
     def create(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> NcclLike:
         return NcclLike(store, rank, size, timeout, self)
 
+    def group_start(self) -> None:
+        self.depth += 1
+
+    def group_end(self) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            aborts, self.aborts = self.aborts, []
+            for group, why in aborts:
+                group.aborted_now(why)
+
+    def deferred(self, group: NcclLike, why: str) -> bool:
+        """Whether ``group``'s abort waits for the end of the group call it was asked in."""
+        if self.depth:
+            self.aborts.append((group, why))
+        return bool(self.depth)
+
+    def wait_for_others(self, me: NcclLike) -> None:
+        """Until no other communicator has work that cannot end (``NcclLike.abort``). The watchdog of one whose
+        oldest work is past its timeout aborts it, as NCCL's does in its own thread."""
+        while True:
+            hung = [(group, work) for group in self.groups if group is not me and not group.aborted
+                    for work in list(group.pending)]  # fmt: skip
+            if not hung:
+                return
+            for group, work in hung:
+                if time.monotonic() - work._queued >= group.timeout_s and not group.aborted:
+                    group.error = group.error or f"TIMEOUT: {work._what} timed out (the watchdog's)"
+                    group.aborted_now(f"the watchdog aborted the communicator: {work._what} timed out")
+            time.sleep(_POLL_S)
+
     def abort_all(self) -> None:
+        self.group_start()
         for group in self.groups:
             group.abort()
+        self.group_end()
         for group in self.groups:
             for channel in list(group._channels.values()):
                 channel.thread.join(timeout=1.0)

@@ -211,7 +211,7 @@ class Pipelined(_Engine):
         summed, tokens = self.runner.loss(batches)
         total = comm.tensor([summed, float(tokens)], torch.float64)
         if dist.is_initialized() and self.info.world_size > 1:
-            comm.all_reduce(total)
+            self.health.wait(comm.all_reduce(total, async_op=True))
         self.model.train(was_training)
         count = int(total[1])
         return (float(total[0]) / count if count else math.nan), count
@@ -340,7 +340,7 @@ class Pipelined(_Engine):
             result = [(texts[0], texts[1])]
         distributed.wait_for_all("replica 0 has answered the samples", self.job.distributed.startup_timeout_s)
         if dist.is_initialized():
-            dist.broadcast_object_list(result, src=replica.ranks[-1])
+            return self.health.broadcast_objects(result[0], replica.ranks[-1])  # type: ignore[no-any-return]
         return result[0]  # type: ignore[no-any-return]
 
 

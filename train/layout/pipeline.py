@@ -184,7 +184,7 @@ class StageRunner:
         clock.end()
         clock.last_tokens = own
         if dist.is_initialized() and dist.get_world_size() > 1:
-            comm.all_reduce(loss_sum)
+            self.health.wait(comm.all_reduce(loss_sum, async_op=True))
         return float(loss_sum.item()) / max(total, 1), total
 
     @torch.no_grad()
@@ -240,8 +240,7 @@ class GradSync:
         mine = [name for name, _ in named]
         everyone: list[list[str] | None] = [mine]
         if dist.is_initialized() and world > 1:
-            everyone = [None] * world
-            dist.all_gather_object(everyone, mine)
+            everyone = comm.gather_objects(mine)
         holders: dict[str, list[int]] = {}
         for other, names in enumerate(everyone):
             for name in names or []:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from train.config import ConfigError, JobConfig
+from train.dist import comm
 from train.dist.distributed import RankInfo
 from train.layout import stageplan, topology
 from train.model.load import resolve_backend
@@ -69,9 +70,7 @@ def decide(job: JobConfig, info: RankInfo, code_dir: Path) -> topology.Layout:
     mine = member(job, info)
     members = [mine]
     if dist.is_initialized() and info.world_size > 1:
-        gathered: list[stageplan.Member | None] = [None] * info.world_size
-        dist.all_gather_object(gathered, mine)
-        members = [m for m in gathered if m is not None]
+        members = comm.gather_objects(mine)
     try:
         shape = stageplan.read_shape(job, code_dir)
     except stageplan.PlanError as exc:

@@ -203,16 +203,16 @@ def newest_loadable(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
 
 def fetch(run_dir: Path, rank: int, src: int = 0) -> tuple[Path, dict[str, Any]] | None:
     """Collective: rank ``src`` loads the newest intact checkpoint's state and broadcasts it to every rank."""
-    payload: list[Any] = [None]
+    payload: tuple[str, dict[str, Any]] | None = None
     if rank == src:
         found = newest_loadable(run_dir)
         if found is not None:
-            payload = [(str(found[0]), found[1])]
+            payload = (str(found[0]), found[1])
     if dist.is_initialized():
-        dist.broadcast_object_list(payload, src=src)
-    if payload[0] is None:
+        payload = comm.broadcast_objects(payload, src)
+    if payload is None:
         return None
-    path_str, state = payload[0]
+    path_str, state = payload
     return Path(path_str), state
 
 

@@ -90,7 +90,7 @@ class Membership:
         self.info = info
         self.group = Group(info.attempt, 0, info.hosts, info.hosts[info.main_rank], info.stores, job.cluster_hash())
         self.server, self.run_dir, self.job, self.health = server, run_dir, job, health
-        self.preemption = Preemption()
+        self.preemption = Preemption(health)
         self.door = Door()
         self.watcher: Watcher | None = None
         self.heartbeat: Heartbeat | None = None
@@ -115,7 +115,8 @@ class Membership:
             # Under a batch scheduler the stores' addresses are the main host's (its node script names no cluster
             # address) and every rank ends at once: the heartbeat only reports there.
             health = None if scheduler() is not None else self.health
-            self.heartbeat = Heartbeat(self.run_dir, self.info.host, group.peers(self.info.host), health)
+            self.heartbeat = Heartbeat(self.run_dir, self.info.host, group.peers(self.info.host), health,
+                                       group.generation)  # fmt: skip
         if publish:
             self.publish()
 
@@ -299,9 +300,9 @@ class Membership:
         # step is taken again from none, as after an update. Kept, the new DDP wrapper would copy them into its
         # buckets (gradient_as_bucket_view) and the step's backward would add to them on every survivor alike.
         training.optimizer.zero_grad(set_to_none=True)
-        target, source, behind = agree_step(done)
+        target, source, behind = agree_step(done, self.health)
         if behind:
-            share_state(training.optimizer, training.scheduler, source)
+            share_state(training.optimizer, training.scheduler, source, self.health)
         how = training.trainer.regroup(new, source, self.retired)
         if change.grows:
             rejoin.catch_up(self.run_dir, new, done < 0, self.health)
@@ -348,27 +349,27 @@ class Membership:
             comeback.ended(self.host_dir, self.group.attempt, self.group.generation)
 
 
-def agree_step(done: int) -> tuple[int, int, int]:
+def agree_step(done: int, health: GroupHealth) -> tuple[int, int, int]:
     """Collective over the new group: the step to continue from (the newest any member completed), the lowest rank
     that completed it (whose state the others take), and how many ranks had not."""
     mine = comm.tensor([done, dist.get_rank()], torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    comm.all_gather(everyone, mine)
-    target = max(int(t[0]) for t in everyone)
-    source = min(int(t[1]) for t in everyone if int(t[0]) == target)
-    behind = sum(1 for t in everyone if int(t[0]) < target)
+    rows = health.result(comm.all_gather(everyone, mine, async_op=True), lambda: [t.tolist() for t in everyone])
+    target = max(row[0] for row in rows)
+    source = min(row[1] for row in rows if row[0] == target)
+    behind = sum(1 for row in rows if row[0] < target)
     if behind:
         log.info("regroup: %d rank(s) had not applied step %d; they take rank %d's state", behind, target, source)
     return target, source, behind
 
 
-def share_state(optimizer: torch.optim.Optimizer, scheduler: Any, source: int) -> None:
+def share_state(optimizer: torch.optim.Optimizer, scheduler: Any, source: int, health: GroupHealth) -> None:
     """Collective: every rank takes ``source``'s optimizer and scheduler state (the weights follow with the
     re-wrap's broadcast of the trainable parameters)."""
-    payload: list[Any] = [(optimizer.state_dict(), scheduler.state_dict())] if dist.get_rank() == source else [None]
-    dist.broadcast_object_list(payload, src=source)
+    mine = (optimizer.state_dict(), scheduler.state_dict()) if dist.get_rank() == source else None
+    payload = health.broadcast_objects(mine, source)
     if dist.get_rank() != source:
-        optimizer_state, scheduler_state = payload[0]
+        optimizer_state, scheduler_state = payload
         optimizer.load_state_dict(optimizer_state)
         scheduler.load_state_dict(scheduler_state)
 

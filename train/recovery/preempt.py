@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from train.dist import comm
+from train.dist.health import GroupHealth
 from train.metrics import write_status
 from train.recovery.failure import Stopped
 
@@ -38,7 +39,8 @@ class Preempted(Stopped):
 class Preemption:
     """The scheduler's warning as this rank sees it (the module says how): installed from the environment."""
 
-    def __init__(self) -> None:
+    def __init__(self, health: GroupHealth) -> None:
+        self.health = health  # the guard of its collectives (train/dist/health.py)
         name = os.environ.get(ENV, "").strip().upper()
         self.stop_file = os.environ.get(FILE_ENV) or None
         self.signal: signal.Signals | None = None
@@ -62,8 +64,7 @@ class Preemption:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return asked
         flag = comm.tensor([1 if asked else 0], torch.int32)
-        comm.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return self.health.result(comm.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), lambda: bool(flag.item()))
 
     def stop(self, run_dir: Path, is_main: bool, step: int) -> Preempted:
         """Collective, once the checkpoint of ``step`` is written: the ending to raise on every rank.
@@ -79,5 +80,5 @@ class Preemption:
         if is_main:
             write_status(run_dir, state="stopped", step=step, error=str(exc))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+            self.health.wait(comm.all_reduce(comm.zeros(1, torch.int32), async_op=True))  # a barrier, guarded
         return exc

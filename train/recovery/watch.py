@@ -6,7 +6,9 @@ rank's group breaks the group (``GroupHealth.fail``) and wakes a rank waiting to
 (train/recovery/membership.py).
 
 ``Heartbeat``: a thread on each host's first rank that connects to the other hosts' regroup stores; a peer that turns
-silent or refuses breaks the group too, and the silent ones are written where the controller reads them.
+silent or refuses breaks the group too, and the silent ones are written where the controller reads them. What it
+finds lost is written for the host's other ranks as well (``hosts/<host>/lost.json``), whose watchers break their
+group on it: they run no heartbeat, and a collective waiting on a dead NCCL peer ends only at the watchdog's timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from train.recovery.group import Group
 log = logging.getLogger(__name__)
 
 MEMBERSHIP = "membership.json"
+LOST = "lost.json"  # hosts/<host>/lost.json: the hosts this host's heartbeat lost, for its other ranks
 POLL_S = 0.2
 # hosts/<host>/peers.json: the hosts this host cannot reach (ugro/module_utils/ugro_jobstate.py reads it).
 PEERS = "peers.json"
@@ -39,8 +42,10 @@ class Watcher:
 
     def __init__(self, run_dir: Path, host: str, group: Group, health: GroupHealth) -> None:
         self.path = run_dir / "hosts" / host / MEMBERSHIP
+        self.lost_path = run_dir / "hosts" / host / LOST
         self.health = health
         self.group = group  # the group this rank is in
+        self.started = time.time()  # a heartbeat's word older than this rank is an earlier launch's
         self._newest: tuple[int, tuple[str, ...], str] | None = None  # (generation, hosts, main) proposed
         self._changed = threading.Event()
         self.path.unlink(missing_ok=True)  # a proposal of an earlier launch is not this one's
@@ -50,6 +55,7 @@ class Watcher:
         mtime = 0.0
         while True:
             time.sleep(POLL_S)
+            self._heard_lost()
             try:
                 stamp = self.path.stat().st_mtime
             except OSError:
@@ -66,6 +72,16 @@ class Watcher:
                 self.health.fail(f"the controller named a new membership (generation {generation}: "
                                  f"{', '.join(hosts)})")  # fmt: skip
                 self._changed.set()
+
+    def _heard_lost(self) -> None:
+        """The host's heartbeat (on its first rank) lost a peer of this rank's group: the group is broken here too."""
+        try:
+            found = json.loads(self.lost_path.read_text(encoding="utf-8"))
+            generation, lost, when = int(found["generation"]), [str(h) for h in found["lost"]], float(found["time"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if when >= self.started and generation == self.group.generation and self.health.broken is None:
+            self.health.fail(f"this host's heartbeat cannot reach the regroup store of {', '.join(lost)}")
 
     def newer(self, timeout_s: float) -> Group | None:
         """Wait up to ``timeout_s`` for a proposal newer than the rank's group: the group it proposes."""
@@ -106,8 +122,11 @@ class Heartbeat:
     no reset and would wait out ``distributed.timeout_s``, and a dead NCCL peer is not always noticed either. The
     loop stops the heartbeat when its last step is done: a peer that then ends its process breaks nothing."""
 
-    def __init__(self, run_dir: Path, host: str, peers: dict[str, str], health: GroupHealth | None = None) -> None:
+    def __init__(self, run_dir: Path, host: str, peers: dict[str, str], health: GroupHealth | None = None,
+                 generation: int = 0) -> None:  # fmt: skip
         self.path = run_dir / "hosts" / host / PEERS
+        self.lost_path = run_dir / "hosts" / host / LOST
+        self.generation = generation  # of the group whose peers it watches
         self.host = host
         self.health = health  # None: it only reports (under a batch scheduler)
         self._peers = dict(peers)  # host -> address:port of its regroup store
@@ -123,6 +142,7 @@ class Heartbeat:
         """After a change of group: the other hosts of the new group are the peers."""
         with self._lock:
             self._peers = group.peers(self.host)
+            self.generation = group.generation
 
     def _beat(self) -> None:
         failed: dict[str, int] = {}
@@ -144,16 +164,23 @@ class Heartbeat:
             silent = sorted(h for h in peers if failed.get(h, 0) >= SILENT_AFTER)
             with self._lock:  # a regroup may have left them out since this round began (``keep``)
                 lost = sorted(h for h in {*silent, *refused} if h in self._peers)
+                generation = self.generation
             if lost and self.health is not None and not self._stopped.is_set():
                 self.health.fail(f"cannot reach the regroup store of {', '.join(lost)}")
+                _write(self.lost_path, {"generation": generation, "lost": lost, "time": round(time.time(), 3)})
             if silent != written:
-                partial = self.path.with_suffix(f".tmp{os.getpid()}")
-                partial.write_text(json.dumps({"silent": silent, "time": round(time.time(), 3)}), encoding="utf-8")
-                os.replace(partial, self.path)
+                _write(self.path, {"silent": silent, "time": round(time.time(), 3)})
                 written = silent
                 if silent:
                     log.warning("cannot reach the regroup store of %s", ", ".join(silent))
             self._stopped.wait(HEARTBEAT_S)
+
+
+def _write(path: Path, data: dict[str, object]) -> None:
+    """``data`` as ``path``'s JSON, whole for any reader (replaced, never written in place)."""
+    partial = path.with_suffix(f".tmp{os.getpid()}")
+    partial.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(partial, path)
 
 
 # Where a batch scheduler runs the job, its scancel, preemption or time limit ends every rank at nearly the same
