@@ -171,7 +171,9 @@ def run(
     testbed = testbed_cluster
     with tempfile.TemporaryDirectory(prefix="ugro-ddpinit-") as tmp:
         try:
-            bed = testbed.up(Path(tmp), hosts=hosts, subnet=SUBNET)
+            # The ranks' default group completes, orders and fails as NCCL does (train/dist/nccl_like.py), as in
+            # every test: the start-up's broadcasts are read as NCCL hands them over.
+            bed = testbed.up(Path(tmp), hosts=hosts, subnet=SUBNET, session_env={"UGRO_NCCL_LIKE": "1"})
         except testbed.TestbedError as exc:
             console.print(f"[red]bench-ddp-init: no test cluster: {exc}[/red]")
             raise typer.Exit(2) from None

@@ -50,7 +50,7 @@ def _launch(job_file: Path, cluster: Path, checks: bool) -> dict[str, Any]:
 
 def main() -> int:
     directory = Path(tempfile.mkdtemp(prefix="ugro-bench-launch-"))
-    bed = testbed_cluster.up(directory, hosts=3, subnet=SUBNET)
+    bed = testbed_cluster.up(directory, hosts=3, subnet=SUBNET, session_env={"UGRO_NCCL_LIKE": "1"})  # as the tests
     try:
         cluster = testbed_cluster.one_rank_per_host(bed, directory / "cluster.yml")
         train = {"max_steps": 3, "global_batch_size": 6, "log_every": 1}

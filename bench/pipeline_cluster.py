@@ -109,7 +109,7 @@ def _capped(inventory: Path, directory: Path, bed: Any, cap: float) -> Path:
 def run(steps: int = 12, skip: int = 2) -> None:
     """Train the default job in both layouts on the test cluster and print the comparison."""
     directory = Path(tempfile.mkdtemp(prefix="ugro-bench-pipeline-"))
-    bed = testbed_cluster.up(directory, hosts=3, subnet=SUBNET)
+    bed = testbed_cluster.up(directory, hosts=3, subnet=SUBNET, session_env={"UGRO_NCCL_LIKE": "1"})  # as the tests
     try:
         inventory = testbed_cluster.one_rank_per_host(bed, directory / "cluster.yml")
 

@@ -20,6 +20,7 @@ with none of the markers.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -102,6 +103,34 @@ def _ranks_fail_where_nccl_would() -> Iterator[None]:
         patch.setenv("UGRO_NCCL_LIKE", os.environ.get("UGRO_NCCL_LIKE", "1"))  # =0 to run on plain gloo
         patch.setenv("UGRO_CHECK_DEVICES", os.environ.get("UGRO_CHECK_DEVICES", "1"))  # =0 to run without it
         yield
+
+
+# The tests whose ranks run plain gloo on purpose, by the top directory of their temporary files: what CPU hosts run,
+# where that is what the test is of (docs/recovery.md).
+PLAIN_GLOO = {"stack": "tests/test_node_stack.py: the provisioned stack's hosts run what make provision leaves"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _every_run_recorded_the_nccl_like_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """After the session: every multi-rank run the tests started recorded the NCCL-like backend as what carried its
+    collectives (run.json ``collectives``, written by the main rank), but for PLAIN_GLOO's: the environment variable
+    only asks for it, and a run started somewhere it did not reach would have passed on gloo's kinder rules."""
+    yield
+    if os.environ.get("UGRO_NCCL_LIKE", "1") != "1":
+        return
+    base = tmp_path_factory.getbasetemp()
+    odd: list[str] = []
+    for path in base.rglob("run.json"):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        top = path.relative_to(base).parts[0].rstrip("0123456789")
+        ran = data.get("collectives") if isinstance(data, dict) else None
+        several = isinstance(data, dict) and int(data.get("world_size") or 1) > 1
+        if ran is not None and ran != "ugro_nccl_like" and several and top not in PLAIN_GLOO:
+            odd.append(f"{path}: {ran}")
+    assert not odd, "multi-rank runs that did not run the NCCL-like backend:\n" + "\n".join(odd)
 
 
 @pytest.fixture(scope="session")
