@@ -236,7 +236,8 @@ def make(
 
 
 def host_launcher(hosts: tuple[str, ...], host: str, port: int, job: Path, run_dir: Path, log: Path,
-                  env: dict[str, str], extra: tuple[str, ...] = (), nproc: int = 1) -> subprocess.Popen[bytes]:  # fmt: skip
+                  env: dict[str, str], extra: tuple[str, ...] = (),
+                  nproc: int = 1) -> subprocess.Popen[bytes]:  # fmt: skip
     """One "host" of a multi-host run on this machine: a real launcher (train/launcher.py, torchrun with the static
     rendezvous, as the launch script runs it) with ``nproc`` ranks of tests/fixtures/faulty_worker.py, told apart by
     UGRO_HOST, the first of ``hosts`` the main one, over loopback; ``env`` added (the fixture's faults), ``extra`` the

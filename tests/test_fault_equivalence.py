@@ -8,6 +8,8 @@ The fault-free reference: the same job on all three hosts without a fault up to 
 together with h3, then on h1 and h2 alone, resumed from that step's checkpoint. Each of the survivors' updates after
 the fault (their checkpoints) must equal the reference's within float rounding. Survivors compared with each other
 agree even where all are wrong: a broken step's gradients added to the step taken again, on every survivor alike.
+Pipelines are not here: their stages cannot go on in a new group, and a lost stage host relaunches the run from its
+last checkpoint, which tests/test_pipeline_run.py compares with an unbroken run.
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ from helpers import free_port, host_launcher, write_job
 pytestmark = pytest.mark.usefixtures("torchrun")
 
 FAULT_STEP = 3
-# Where h3 dies in step 3, and the last step every survivor had applied with it: inside the gradient all-reduce
-# (no rank applied step 3: it is taken again in the new group), or in its optimizer step (the others applied step 3;
-# they find h3 gone in step 4's collectives and take step 4 again).
-POINTS = {"allreduce": FAULT_STEP - 1, "optimizer": FAULT_STEP}
+# Where h3 dies in step 3 (tests/fixtures/faulty_worker.py), and the last step every survivor had applied with it:
+# before its first micro-batch (the step's exchange), between two micro-batches under no_sync, or inside the gradient
+# all-reduce (no rank applied step 3: it is taken again in the new group); in its optimizer step or in the checkpoint
+# after it (the others applied step 3; they find h3 gone in the checkpoint's or step 4's collectives and go on).
+POINTS = {"exchange": FAULT_STEP - 1, "microbatch": FAULT_STEP - 1, "allreduce": FAULT_STEP - 1,
+          "optimizer": FAULT_STEP, "checkpoint": FAULT_STEP}  # fmt: skip
 LAST_STEP = FAULT_STEP + 1
 
 
+# Nine sequences over three ranks, two micro-batches each (micro_batch_size 2): a host can die between them.
 # A preference job (DPO) over unequal shares of pairs: its state is the adapter and optimizer as SFT's, each rank's
 # reference log-probabilities its own (train/preference/reference.py).
 PAIRS = {"source": "data/preference/train.jsonl", "format": "preference", "packing": False, "seq_len": 96}
@@ -44,7 +49,7 @@ METHODS: dict[str, dict[str, Any]] = {"sft": {}, "dpo": {"data": PAIRS, "rank_lo
 
 
 def _job(path: Path, method: str, timeout_s: int = 60) -> Path:
-    train = {"max_steps": LAST_STEP, "global_batch_size": 8, "log_every": 1, "seed": 7, "method": method}
+    train = {"max_steps": LAST_STEP, "global_batch_size": 9, "log_every": 1, "seed": 7, "method": method}
     return write_job(path, train=train, lora={"dropout": 0.0}, schedule={"warmup_steps": 1}, eval=None,
                      distributed={"timeout_s": timeout_s}, checkpoint={"every": 1, "keep_last": LAST_STEP},
                      **METHODS[method])  # fmt: skip
@@ -115,9 +120,32 @@ def unbroken(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     return run
 
 
-@pytest.mark.parametrize(("point", "method"), [("allreduce", "sft"), ("optimizer", "sft"), ("allreduce", "dpo")])
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, unbroken: Callable[[str], Path]) -> Callable[[str, int], Path]:
+    """The fault-free group of the survivors: h1 and h2 from the unbroken run's checkpoint of ``step`` to the end,
+    once per method and step."""
+    runs: dict[tuple[str, int], Path] = {}
+
+    def run(method: str, step: int) -> Path:
+        if (method, step) not in runs:
+            tmp = tmp_path_factory.mktemp(f"reference-{method}-{step}")
+            shutil.copytree(unbroken(method) / "checkpoints" / f"step-{step:06d}",
+                            tmp / "run" / "checkpoints" / f"step-{step:06d}")  # fmt: skip
+            resumed = _train(("h1", "h2"), _job(tmp / "job.yaml", method), tmp / "run", tmp, resume=True)
+            assert resumed["state"] == "finished", resumed
+            runs[method, step] = tmp / "run"
+        return runs[method, step]
+
+    return run
+
+
+CASES = [("exchange", "sft"), ("microbatch", "sft"), ("allreduce", "sft"), ("optimizer", "sft"), ("checkpoint", "sft"),
+         ("allreduce", "dpo")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("point", "method"), CASES)
 def test_the_survivors_next_update_is_the_fault_free_groups(
-    tmp_path: Path, unbroken: Callable[[str], Path], point: str, method: str
+    tmp_path: Path, unbroken: Callable[[str], Path], reference: Callable[[str, int], Path], point: str, method: str
 ) -> None:
     job = _job(tmp_path / "job.yaml", method)
     broken = tmp_path / "broken"
@@ -126,18 +154,12 @@ def test_the_survivors_next_update_is_the_fault_free_groups(
     together = POINTS[point]  # the last step all three applied
     assert history == [(["h1", "h2"], "survivors", together)], record
 
-    fault_free = unbroken(method)
-    reference = tmp_path / "reference"
-    shutil.copytree(fault_free / "checkpoints" / f"step-{together:06d}",
-                    reference / "checkpoints" / f"step-{together:06d}")  # fmt: skip
-    resumed = _train(("h1", "h2"), job, reference, tmp_path, resume=True)
-    assert resumed["state"] == "finished", resumed
-
+    fault_free, survivors = unbroken(method), reference(method, together)
     start = _trainable(fault_free, together)
     if (broken / "checkpoints" / f"step-{together:06d}").is_dir():  # not where the fault broke its checkpoint off
         assert _distance(_trainable(broken, together), start) == 0, "the broken run differs before its fault"
     for step in range(together + 1, LAST_STEP + 1):
-        expected, got = _trainable(reference, step), _trainable(broken, step)
+        expected, got = _trainable(survivors, step), _trainable(broken, step)
         update = _norm({k: expected[k] - start[k] for k in start})
         # fp32 rounding of sums in another order: far below a millionth of the weights, a thousandth of the update.
         assert _distance(got, expected) <= 1e-6, (step, _distance(got, expected))
