@@ -47,6 +47,14 @@ def _completion(rank: int, port: int, out: str) -> None:
     seen.append(float(by_hand.wait()[0]))
     work.wait()
     seen.append(float(value))
+    # The buffer changed between queueing and the wait: a race on NCCL, whose kernel reads it when it runs.
+    reused = dist.all_reduce(value, async_op=True)
+    value.add_(1.0)
+    try:
+        reused.wait()
+        seen.append("read")
+    except RuntimeError as exc:
+        seen.append("refused" if "changed after the collective was queued" in str(exc) else str(exc))
     if rank == 0:
         Path(out).write_text(repr(seen))
     dist.barrier()
@@ -59,7 +67,8 @@ def test_a_result_lands_at_the_works_wait_not_when_its_future_completes(
     out = tmp_path / "seen"
     spawn(_completion, 2, str(out))
     # Complete at once, rank 0's own 1.0 read through the future, the future by hand and the tensor; 3.0 after wait.
-    assert out.read_text() == repr([True, 1.0, 1.0, 1.0, 3.0])
+    # A buffer changed before the wait is refused.
+    assert out.read_text() == repr([True, 1.0, 1.0, 1.0, 3.0, "refused"])
 
 
 def _neighbours(rank: int, port: int, out: str) -> None:

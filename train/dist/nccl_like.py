@@ -59,8 +59,12 @@ def requested() -> bool:
 class NcclWork(dist.Work):
     """One queued operation: complete (its future) at once, its result landed in the caller's tensors at ``wait``."""
 
-    def __init__(self, group: NcclLike, what: str, result: list[torch.Tensor], land: Callable[[], None]) -> None:
+    def __init__(self, group: NcclLike, what: str, result: list[torch.Tensor], land: Callable[[], None],
+                 inputs: Sequence[torch.Tensor] = ()) -> None:  # fmt: skip
         super().__init__()
+        # NCCL reads a collective's inputs and writes its outputs when its kernel runs, after the work queued before it
+        # on the stream: a buffer the caller changes between queueing and the wait is a race there. Refused here.
+        self._buffers = [(t, t._version) for t in (*result, *inputs)]
         self._group = group
         self._what = what
         self._land = land
@@ -92,6 +96,7 @@ class NcclWork(dist.Work):
             while True:
                 if self._finished and self._error is None:
                     if not self._landed:
+                        self._unchanged()
                         self._land()  # the result is written where the caller reads it, now and only now
                         self._landed = True
                     return True
@@ -112,6 +117,14 @@ class NcclWork(dist.Work):
                     self._garbage()
                     return True
                 self._group.changed.wait(min(_POLL_S, deadline - waited))
+
+    def _unchanged(self) -> None:
+        changed = [tuple(t.shape) for t, version in self._buffers if t._version != version]
+        if changed:
+            raise RuntimeError(
+                f"{NAME}: {self._what}: a buffer of shape {changed[0]} was changed after the collective was queued and "
+                "before its wait: on NCCL the collective reads or writes it when its kernel runs, a race. Wait first."
+            )
 
     def _garbage(self) -> None:
         """What the caller's tensors hold after a collective that never completed: ``UGRO_NCCL_LIKE_GARBAGE=nan``
@@ -293,7 +306,7 @@ class NcclLike(dist.ProcessGroup):
     # -- collectives: gloo on copies, the copies landed in the caller's tensors at wait() -----------------------
 
     def _queue(self, what: str, result: list[torch.Tensor], pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-               start: Callable[[], Any]) -> NcclWork:  # fmt: skip
+               start: Callable[[], Any], inputs: Sequence[torch.Tensor] = ()) -> NcclWork:  # fmt: skip
         """Start ``start`` (gloo, on scratch tensors); at wait() each (caller's, scratch) pair is copied."""
         if self.aborted:
             raise dist.DistBackendError(f"{NAME}: {what} on an aborted communicator ({self.aborted})")
@@ -303,7 +316,7 @@ class NcclLike(dist.ProcessGroup):
                 for mine, scratch in pairs:
                     mine.copy_(scratch)
 
-        work = NcclWork(self, what, result, land)
+        work = NcclWork(self, what, result, land, inputs)
         inner = start()
 
         def ended(future: torch.futures.Future[Any]) -> None:
@@ -331,14 +344,15 @@ class NcclLike(dist.ProcessGroup):
         scratch = [[torch.empty_like(o) for o in row] for row in outputs]
         sent = [t.detach().clone() for t in inputs]
         pairs = [(o, s) for row, srow in zip(outputs, scratch) for o, s in zip(row, srow)]
-        return self._queue(what, [o for row in outputs for o in row], pairs, lambda: start(scratch, sent))
+        return self._queue(what, [o for row in outputs for o in row], pairs, lambda: start(scratch, sent), inputs)
 
     def _from_rows(self, what: str, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                    start: Callable[[list[torch.Tensor], list[list[torch.Tensor]]], Any]) -> NcclWork:  # fmt: skip
         """A collective whose inputs are rows of tensors (reduce_scatter, scatter), on copies."""
         scratch = [torch.empty_like(o) for o in outputs]
         sent = [[t.detach().clone() for t in row] for row in inputs]
-        return self._queue(what, outputs, list(zip(outputs, scratch)), lambda: start(scratch, sent))
+        return self._queue(what, outputs, list(zip(outputs, scratch)), lambda: start(scratch, sent),
+                           [t for row in inputs for t in row])  # fmt: skip
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> NcclWork:  # type: ignore[override]
         return self._into_rows("all_gather", outputs, inputs, lambda out, inp: self.gloo.allgather(out, inp, opts))
@@ -356,7 +370,7 @@ class NcclLike(dist.ProcessGroup):
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> NcclWork:  # type: ignore[override]
         scratch, sent = torch.empty_like(output), input.detach().clone()
         return self._queue("all_gather_into_tensor", [output], [(output, scratch)],
-                           lambda: self.gloo._allgather_base(scratch, sent, opts))  # fmt: skip
+                           lambda: self.gloo._allgather_base(scratch, sent, opts), [input])  # fmt: skip
 
     def barrier(self, opts: Any) -> NcclWork:  # type: ignore[override]
         return self._queue("barrier", [], [], lambda: self.gloo.barrier(opts))
