@@ -187,8 +187,8 @@ typecheck: venv
 
 # The full tier (what CI runs): lint and types side by side (each uses one core: ansible-lint and mypy), every
 # test (the test cluster, torchrun, Ansible and SLURM ones need root and the tools .ci/run installs) as two pytest
-# processes side by side, the test cluster's tests and the others, and every role's Molecule scenario, started when
-# the first of the two ends (tools/pytest-pair --then-molecule). Not all three from the start: on two cores pytest's
+# processes side by side, the test cluster's tests and the others (and a third for the tests that mostly wait), and
+# every role's Molecule scenario, started when the first of the two ends (tools/pytest-pair --then-molecule). Not all three from the start: on two cores pytest's
 # ranks and Molecule's Ansible both want the CPU, and together they took longer (docs/results.md). Each phase prints
 # its duration as it ends (tools/timed); a failing check's output comes whole (--output-sync).
 TIMED := tools/timed

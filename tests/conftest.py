@@ -64,11 +64,16 @@ USES: dict[str, tuple[str, ...]] = {
 }
 
 
-# `make test` runs two pytest processes side by side (tools/pytest-pair): the `cluster` tests, and the others. These
+# `make test` runs pytest processes side by side (tools/pytest-pair): the `cluster` tests, and the others. These
 # files' tests run with the cluster's, so that both processes take about as long (docs/results.md "CI time"). Whole
 # files, so that a module's fixtures are built once; only tests whose ranks take a free port (torchrun, spawn),
 # never `make train`'s default port 29500 on this machine, which the other process's tests use.
 WITH_CLUSTER = frozenset({"test_real_model.py", "test_datasets.py", "test_fault_equivalence.py"})
+# These files' tests mostly wait (a collective timeout, a stalled peer, the package registry over the network: each
+# took under half a core over its time), so `make test` runs them in a third pytest process beside the two: waited
+# out in the others' process, that time was the suite's. Their ranks take free ports too.
+WAITS = frozenset({"test_locks.py", "test_failure_records.py", "test_nccl_like.py", "test_heartbeat.py",
+                   "test_gloo_hook.py"})  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -78,6 +83,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(marker)
         if item.path.name in WITH_CLUSTER:
             item.add_marker("with_cluster")
+        if item.path.name in WAITS:
+            item.add_marker("waits")
 
 
 WHY_NOT = why_no_testbed()
