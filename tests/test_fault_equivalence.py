@@ -41,7 +41,8 @@ POINTS = {"exchange": FAULT_STEP - 1, "microbatch": FAULT_STEP - 1, "allreduce":
 LAST_STEP = FAULT_STEP + 1
 
 
-# Nine sequences over three ranks, two micro-batches each (micro_batch_size 2): a host can die between them.
+# Ten sequences over three ranks: unequal shares (4, 3, 3), two micro-batches each (micro_batch_size 2), so that a
+# host can die between them.
 # A preference job (DPO) over unequal shares of pairs: its state is the adapter and optimizer as SFT's, each rank's
 # reference log-probabilities its own (train/preference/reference.py).
 PAIRS = {"source": "data/preference/train.jsonl", "format": "preference", "packing": False, "seq_len": 96}
@@ -49,7 +50,7 @@ METHODS: dict[str, dict[str, Any]] = {"sft": {}, "dpo": {"data": PAIRS, "rank_lo
 
 
 def _job(path: Path, method: str, timeout_s: int = 60) -> Path:
-    train = {"max_steps": LAST_STEP, "global_batch_size": 9, "log_every": 1, "seed": 7, "method": method}
+    train = {"max_steps": LAST_STEP, "global_batch_size": 10, "log_every": 1, "seed": 7, "method": method}
     return write_job(path, train=train, lora={"dropout": 0.0}, schedule={"warmup_steps": 1}, eval=None,
                      distributed={"timeout_s": timeout_s}, checkpoint={"every": 1, "keep_last": LAST_STEP},
                      **METHODS[method])  # fmt: skip
