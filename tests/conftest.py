@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -115,6 +116,7 @@ def _ranks_fail_where_nccl_would() -> Iterator[None]:
 # The tests whose ranks run plain gloo on purpose, by the top directory of their temporary files: what CPU hosts run,
 # where that is what the test is of (docs/recovery.md).
 PLAIN_GLOO = {"stack": "tests/test_node_stack.py: the provisioned stack's hosts run what make provision leaves"}
+RECORD_BYTES = 1 << 20  # a run's run.json is a few KB
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -128,7 +130,10 @@ def _every_run_recorded_the_nccl_like_backend(tmp_path_factory: pytest.TempPathF
     base = tmp_path_factory.getbasetemp()
     odd: list[str] = []
     for path in base.rglob("run.json"):
-        try:
+        try:  # a regular file, never a link: tests plant run.json -> /dev/zero (tests/test_host_facts.py)
+            info = path.lstat()
+            if not stat.S_ISREG(info.st_mode) or info.st_size > RECORD_BYTES:
+                continue
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
