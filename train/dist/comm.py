@@ -137,12 +137,16 @@ def broadcast(
     return _queued(dist.broadcast(value, src=src, group=group, async_op=True), async_op)
 
 
+def _pickled(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
 def gather_objects(obj: Any, group: dist.ProcessGroup | None = None, broken: threading.Event | None = None) -> list[Any]:
     """Collective: every rank's ``obj`` (picklable), by rank, as ``dist.all_gather_object`` gives them, in two
     collectives whose results are checked (``result``) before a byte is unpickled: a size or a payload that a
     watchdog left in the buffer never becomes an object. ``group`` must carry CPU tensors for the pickles' sake where
     it is gloo; on NCCL the bytes travel on the rank's device."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    data = _pickled(obj)
     world = dist.get_world_size(group)
     sizes = [zeros(1, torch.int64, group) for _ in range(world)]
     work = all_gather(sizes, tensor([data.numel()], torch.int64, group), group, async_op=True)
@@ -160,7 +164,7 @@ def broadcast_objects(obj: Any, src: int, group: dist.ProcessGroup | None = None
     """Collective: rank ``src``'s ``obj`` (picklable; the others pass anything) on every rank, in two checked
     broadcasts (``gather_objects`` says why). ``src`` is a global rank."""
     mine = dist.get_rank() == src
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if mine else None
+    data = _pickled(obj) if mine else None
     size = tensor([data.numel() if data is not None else 0], torch.int64, group)
     length = result(broadcast(size, src, group, async_op=True), lambda: int(size), broken)
     payload = zeros(length, torch.uint8, group)
@@ -294,6 +298,15 @@ class CollectiveFailed(dist.DistBackendError):
     fail): its buffer holds no result. A failed collective, as a lost peer's (train/dist/health.py)."""
 
 
+def _group_call() -> Any:
+    """What opens and closes one NCCL group call (``_group_start``/``_group_end``): the default group's NCCL backend,
+    or the test backend's default group; None on plain gloo."""
+    default = c10d._get_default_group()
+    if nccl_like.ours(default):
+        return default
+    return default._get_backend(torch.device("cuda")) if _nccl(None) else None
+
+
 def abort_all() -> None:
     """Abort every group with NCCL's semantics (``ncclCommAbort``): their waits return, holding no result. In one
     NCCL group call, newest group first, as torch's ``_abort_process_group`` does: aborted one after another, the
@@ -304,8 +317,7 @@ def abort_all() -> None:
         return
     names = c10d._world.pg_names
     groups = [g for g in sorted(names, key=lambda g: names[g], reverse=True) if nccl_semantics(g)]
-    default = c10d._get_default_group()
-    call: Any = default if nccl_like.ours(default) else default._get_backend(torch.device("cuda")) if _nccl(None) else None
+    call = _group_call()
     if call is not None:
         call._group_start()
     try:

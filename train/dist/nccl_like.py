@@ -109,9 +109,10 @@ class NcclWork(dist.Work):
                 if waited >= deadline:
                     cause = f" ({self._error})" if self._error else ""
                     why = f"{self._what} timed out after {waited:.0f} s; a peer never took part{cause}"
-                    if not blocking or deadline >= limit:  # the watchdog's: recorded in the group, as NCCL's
-                        self._group.error = self._group.error or f"TIMEOUT: {why}"
-                    self._group.abort(f"the watchdog aborted the communicator: {why}")
+                    if not blocking or deadline >= limit:
+                        self._group.watchdog(why)
+                    else:
+                        self._group.abort(f"a blocking wait timed out: {why}")
                     if blocking:
                         raise dist.DistBackendError(f"{NAME}: {why} (a blocking wait's timeout)")
                     self._garbage()
@@ -291,6 +292,12 @@ class NcclLike(dist.ProcessGroup):
     def _group_end(self) -> None:
         self._kept.group_end()
 
+    def watchdog(self, why: str) -> None:
+        """NCCL's watchdog at a collective's timeout: the timeout recorded in the group (``get_error``), then the
+        communicator aborted, from the watchdog's own thread (no group call to wait for)."""
+        self.error = self.error or f"TIMEOUT: {why}"
+        self.aborted_now(f"the watchdog aborted the communicator: {why}")
+
     def aborted_now(self, why: str) -> None:
         with self.changed:
             self.aborted = self.aborted or why
@@ -447,8 +454,7 @@ class Groups:
                 return
             for group, work in hung:
                 if time.monotonic() - work._queued >= group.timeout_s and not group.aborted:
-                    group.error = group.error or f"TIMEOUT: {work._what} timed out (the watchdog's)"
-                    group.aborted_now(f"the watchdog aborted the communicator: {work._what} timed out")
+                    group.watchdog(f"{work._what} timed out")
             time.sleep(_POLL_S)
 
     def abort_all(self) -> None:
